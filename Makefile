@@ -1,0 +1,20 @@
+.PHONY: setup run test lint bench serve
+
+setup:
+	bash scripts/setup.sh
+
+# Set up, then generate with speculation (ngram proposer, heuristic k) on the embedded default model.
+run: setup
+	.venv/bin/specd generate --chat --stats --spec ngram --k-policy heuristic --max-tokens 128 \
+	  "Rewrite this sentence in the passive voice: The quick brown fox jumps over the lazy dog."
+
+# Set up, lint, then run the whole test suite (unit tests on tiny models + integration on the default model).
+test: setup
+	.venv/bin/ruff check src tests bench
+	.venv/bin/python -m pytest -q
+
+serve: setup
+	.venv/bin/specd serve --spec ngram --k-policy heuristic
+
+lint:
+	.venv/bin/ruff check src tests bench

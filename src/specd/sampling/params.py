@@ -1,0 +1,104 @@
+"""Per-request sampling parameters, validated at construction.
+
+Every field is honoured by the engine; nothing here is accepted and ignored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from specd.errors import InvalidParameterError
+
+_MAX_LOGPROBS = 20
+
+
+@dataclass(frozen=True, slots=True)
+class SpecOverride:
+    """Per-request override of the engine's speculation settings.
+
+    enabled=False turns speculation off for this request (k_i = 0 every step).
+    num_speculative_tokens caps k for this request (must be <= the engine's k_max).
+    k_policy, when set, must be the engine's policy or "fixed" (policies keep per-sequence state).
+    """
+
+    enabled: bool = True
+    num_speculative_tokens: int | None = None
+    k_policy: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.enabled, bool):
+            raise InvalidParameterError("speculation.enabled", "must be a boolean")
+        k = self.num_speculative_tokens
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0 or k > 64):
+            raise InvalidParameterError("speculation.num_speculative_tokens", "must be an integer in [0, 64]")
+        if self.k_policy is not None and self.k_policy not in ("fixed", "heuristic", "confidence"):
+            raise InvalidParameterError(
+                "speculation.k_policy", "must be one of 'fixed', 'heuristic', 'confidence'"
+            )
+
+
+def _check_int(name: str, value: object, lo: int, hi: int | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidParameterError(name, f"must be an integer, got {type(value).__name__}")
+    if value < lo or (hi is not None and value > hi):
+        bound = f"[{lo}, {hi}]" if hi is not None else f">= {lo}"
+        raise InvalidParameterError(name, f"must be {bound}, got {value}")
+
+
+def _check_float(name: str, value: object, lo: float, hi: float, lo_open: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidParameterError(name, f"must be a number, got {type(value).__name__}")
+    v = float(value)
+    if v != v or v < lo or v > hi or (lo_open and v == lo):
+        left = "(" if lo_open else "["
+        raise InvalidParameterError(name, f"must be in {left}{lo}, {hi}], got {value}")
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to sample one request's continuation.
+
+    temperature == 0 means greedy (argmax); top_k <= 0 disables top-k; top_p == 1 and min_p == 0 disable
+    those filters. `seed` gives the request its own torch.Generator, so its output does not depend on what
+    else is in the batch. `logprobs=None` returns none, 0 returns the chosen token's logprob, n > 0 also the
+    top-n alternatives (log-softmax of the raw target logits).
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: Sequence[str] = ()
+    stop_token_ids: Sequence[int] = ()
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    speculation: SpecOverride | None = None
+    spec_detail: bool = False
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        _check_int("max_tokens", self.max_tokens, 1)
+        _check_float("temperature", self.temperature, 0.0, 100.0)
+        _check_int("top_k", self.top_k, -1)
+        _check_float("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        _check_float("min_p", self.min_p, 0.0, 1.0)
+        if self.seed is not None:
+            _check_int("seed", self.seed, -(2**63), 2**63 - 1)
+        if isinstance(self.stop, str) or not all(isinstance(s, str) and s for s in self.stop):
+            raise InvalidParameterError("stop", "must be a list of non-empty strings")
+        if isinstance(self.stop_token_ids, (str, bytes)):
+            raise InvalidParameterError("stop_token_ids", "must be a list of token ids")
+        for t in self.stop_token_ids:
+            _check_int("stop_token_ids", t, 0)
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, 0, _MAX_LOGPROBS)
+        if self.speculation is not None and not isinstance(self.speculation, SpecOverride):
+            raise InvalidParameterError("speculation", "must be a SpecOverride")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
