@@ -1,0 +1,146 @@
+"""Ragged-batch attention over the slot KV cache.
+
+One forward serves prefill chunks, single-token decode and multi-token verification: sequence i contributes
+n_i >= 1 new tokens at positions p_i .. p_i + n_i - 1 (p_i = its cached length) and attends causally to
+its own cached tokens plus the new ones. The metadata below is built once per forward and shared by all
+layers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from specd.model.kv_cache import KVCache
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardBatch:
+    """The new tokens of one forward, flattened sequence-major.
+
+    token_ids / positions: [num_tokens] int64. slot_ids, start_positions, num_new_tokens: one entry per
+    sequence. logits_indices: [num_logit_rows] indices into the flat tokens whose logits are wanted.
+    """
+
+    token_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_ids: Sequence[int]
+    start_positions: Sequence[int]
+    num_new_tokens: Sequence[int]
+    logits_indices: torch.Tensor
+
+    @staticmethod
+    def build(
+        new_token_ids: Sequence[Sequence[int]],
+        slot_ids: Sequence[int],
+        start_positions: Sequence[int],
+        logits_rows: Sequence[Sequence[int]],
+    ) -> ForwardBatch:
+        """logits_rows[i] are offsets within sequence i's new tokens whose logits are wanted."""
+        flat: list[int] = []
+        positions: list[int] = []
+        logit_idx: list[int] = []
+        for toks, start, rows in zip(new_token_ids, start_positions, logits_rows, strict=True):
+            base = len(flat)
+            flat.extend(toks)
+            positions.extend(range(start, start + len(toks)))
+            logit_idx.extend(base + r for r in rows)
+        return ForwardBatch(
+            token_ids=torch.tensor(flat, dtype=torch.long),
+            positions=torch.tensor(positions, dtype=torch.long),
+            slot_ids=list(slot_ids),
+            start_positions=list(start_positions),
+            num_new_tokens=[len(t) for t in new_token_ids],
+            logits_indices=torch.tensor(logit_idx, dtype=torch.long),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionMetadata:
+    """Indices and mask shared by every layer of one forward."""
+
+    write_slots: torch.Tensor  # [num_tokens] slot of each new token
+    write_positions: torch.Tensor  # [num_tokens] cache position of each new token
+    slot_range: tuple[int, int] | None  # (lo, hi) when the batch's slots are lo..hi-1 in order: read a view
+    slot_index: torch.Tensor  # [num_seqs] slots, for the gather path
+    kv_len: int  # keys read per sequence (max total length in the batch)
+    max_new: int  # padded query length
+    pad_index: torch.Tensor | None  # [num_tokens] flat index into [num_seqs * max_new]; None if no padding
+    mask: torch.Tensor | None  # [num_seqs, 1, max_new, kv_len] bool, True = attend; None = attend all
+
+    @staticmethod
+    def build(batch: ForwardBatch) -> AttentionMetadata:
+        num_new = list(batch.num_new_tokens)
+        starts = list(batch.start_positions)
+        slots = list(batch.slot_ids)
+        num_seqs = len(slots)
+        max_new = max(num_new)
+        totals = [s + n for s, n in zip(starts, num_new)]
+        kv_len = max(totals)
+        write_slots = torch.repeat_interleave(
+            torch.tensor(slots, dtype=torch.long), torch.tensor(num_new, dtype=torch.long)
+        )
+        lo = slots[0]
+        contiguous = slots == list(range(lo, lo + num_seqs))
+        pad_index: torch.Tensor | None = None
+        if max_new > 1 and any(n != max_new for n in num_new):
+            pad_index = torch.cat(
+                [torch.arange(i * max_new, i * max_new + n) for i, n in enumerate(num_new)]
+            )
+        mask: torch.Tensor | None = None
+        if max_new > 1 or any(t != kv_len for t in totals):
+            key_pos = torch.arange(kv_len)  # [kv_len]
+            query_pos = torch.tensor(starts).unsqueeze(1) + torch.arange(max_new).unsqueeze(0)  # [num_seqs, max_new]
+            # Padded query rows (t >= n_i) get query_pos past the end; they attend to a valid prefix and are
+            # dropped afterwards, so no row is fully masked (which would give NaN).
+            limit = torch.minimum(query_pos, torch.tensor(totals).unsqueeze(1) - 1)  # [num_seqs, max_new]
+            mask = (key_pos.view(1, 1, kv_len) <= limit.unsqueeze(2)).unsqueeze(1)
+        return AttentionMetadata(
+            write_slots=write_slots,
+            write_positions=batch.positions,
+            slot_range=(lo, lo + num_seqs) if contiguous else None,
+            slot_index=torch.tensor(slots, dtype=torch.long),
+            kv_len=kv_len,
+            max_new=max_new,
+            pad_index=pad_index,
+            mask=mask,
+        )
+
+
+def paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    cache: KVCache,
+    layer: int,
+    meta: AttentionMetadata,
+) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
+    """Write the new keys/values into the cache, then attend over each sequence's cached prefix."""
+    k_cache = cache.keys[layer]  # [num_slots, num_kv_heads, capacity, head_dim]
+    v_cache = cache.values[layer]
+    k_cache[meta.write_slots, :, meta.write_positions] = key
+    v_cache[meta.write_slots, :, meta.write_positions] = value
+    if meta.slot_range is not None:
+        lo, hi = meta.slot_range
+        keys = k_cache[lo:hi, :, : meta.kv_len]  # [num_seqs, num_kv_heads, kv_len, head_dim] (view)
+        values = v_cache[lo:hi, :, : meta.kv_len]
+    else:
+        keys = k_cache.index_select(0, meta.slot_index)[:, :, : meta.kv_len]
+        values = v_cache.index_select(0, meta.slot_index)[:, :, : meta.kv_len]
+    _, num_heads, head_dim = query.shape
+    num_seqs = meta.slot_index.shape[0]
+    if meta.pad_index is None:
+        q = query.view(num_seqs, meta.max_new, num_heads, head_dim).transpose(1, 2)
+    else:
+        padded = query.new_zeros(num_seqs * meta.max_new, num_heads, head_dim)
+        padded[meta.pad_index] = query
+        q = padded.view(num_seqs, meta.max_new, num_heads, head_dim).transpose(1, 2)
+    # q: [num_seqs, num_heads, max_new, head_dim]
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=meta.mask, enable_gqa=True)
+    out = out.transpose(1, 2).reshape(num_seqs * meta.max_new, num_heads * head_dim)
+    if meta.pad_index is not None:
+        out = out[meta.pad_index]
+    return out

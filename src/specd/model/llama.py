@@ -1,0 +1,264 @@
+"""In-house Llama-family decoder (Llama, SmolLM/SmolLM2, Mistral, Qwen2 q/k/v bias, Qwen3 q/k norm).
+
+q/k/v and gate/up projections are stored fused (`qkv_proj`, `gate_up_proj`) so a layer costs four GEMMs;
+`load_hf_state_dict` maps Hugging Face parameter names one-to-one onto the fused rows, and
+`hf_state_dict` maps back. `forward` takes a ragged `ForwardBatch` (prefill chunks, decode and multi-token
+verification mixed) and returns logits only for the rows asked for. `num_layers` lets a caller run the
+first N layers plus the final norm and LM head (self-speculation) with the same weights.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specd.errors import ModelLoadError
+from specd.model.attention import AttentionMetadata, ForwardBatch, paged_attention
+from specd.model.config import ModelArchConfig, RopeScaling
+from specd.model.kv_cache import KVCache
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim]
+        # Normalise in float32 like the reference implementation, so bf16 matches its rounding.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:  # [head_dim // 2]
+    # float32 on purpose: the reference implementation computes frequencies in float32, and matching its
+    # rounding keeps float64 test models bit-comparable.
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling.kind == "linear":
+        inv_freq = inv_freq / scaling.factor
+    elif scaling.kind == "llama3":
+        old_len = scaling.original_max_position_embeddings
+        low_wavelen = old_len / scaling.low_freq_factor
+        high_wavelen = old_len / scaling.high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / scaling.factor, inv_freq)
+        smooth = (old_len / wavelen - scaling.low_freq_factor) / (
+            scaling.high_freq_factor - scaling.low_freq_factor
+        )
+        smoothed = (1 - smooth) * scaled / scaling.factor + smooth * scaled
+        is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = torch.where(is_medium, smoothed, scaled)
+    return inv_freq.float()
+
+
+class Rotary(nn.Module):
+    """Precomputed cos/sin tables indexed by absolute position (rotate-half convention)."""
+
+    def __init__(self, config: ModelArchConfig, max_positions: int) -> None:
+        super().__init__()
+        inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+        t = torch.arange(max_positions, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq)  # [max_positions, head_dim // 2]
+        emb = torch.cat([freqs, freqs], dim=-1)  # [max_positions, head_dim]
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+        positions: torch.Tensor,  # [num_tokens]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [num_tokens, 1, head_dim]
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelArchConfig, index: int) -> None:
+        super().__init__()
+        self.index = index
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.q_size = config.num_heads * config.head_dim
+        self.kv_size = config.num_kv_heads * config.head_dim
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(
+        self,
+        hidden: torch.Tensor,  # [num_tokens, hidden_size]
+        positions: torch.Tensor,  # [num_tokens]
+        rotary: Rotary,
+        cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden_size]
+        num_tokens = hidden.shape[0]
+        qkv = self.qkv_proj(self.input_layernorm(hidden))  # [num_tokens, q_size + 2 * kv_size]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(q, k, positions)
+        attn = paged_attention(q, k, v, cache, self.index, meta)  # [num_tokens, q_size]
+        hidden = hidden + self.o_proj(attn)
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(hidden)).chunk(2, dim=-1)
+        return hidden + self.down_proj(F.silu(gate) * up)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelArchConfig, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList([DecoderLayer(config, i) for i in range(config.num_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = (
+            None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+        self.rotary = Rotary(config, max_positions or config.max_position_embeddings)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:  # [vocab_size, hidden_size]
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def make_cache(self, max_slots: int, max_len: int, num_layers: int | None = None,
+                   budget_tokens: int | None = None) -> KVCache:
+        c = self.config
+        return KVCache(
+            num_layers=num_layers or c.num_layers,
+            num_kv_heads=c.num_kv_heads,
+            head_dim=c.head_dim,
+            max_slots=max_slots,
+            max_len=max_len,
+            dtype=self.dtype,
+            device=self.embed_tokens.weight.device,
+            budget_tokens=budget_tokens,
+        )
+
+    @torch.inference_mode()
+    def forward(
+        self, batch: ForwardBatch, cache: KVCache, num_layers: int | None = None
+    ) -> torch.Tensor:  # [num_logit_rows, vocab_size] float32
+        """Run the new tokens through the model, writing their KV into `cache` at their positions.
+
+        Assumes cache capacity covers every position written (the caller reserves) and that the cache has
+        at least `num_layers` layers. Does not change committed lengths: the caller commits or rolls back.
+        """
+        meta = AttentionMetadata.build(batch)
+        hidden = self.embed_tokens(batch.token_ids)  # [num_tokens, hidden_size]
+        layers = self.layers if num_layers is None else self.layers[:num_layers]
+        for layer in layers:
+            hidden = layer(hidden, batch.positions, self.rotary, cache, meta)
+        hidden = self.norm(hidden[batch.logits_indices])  # [num_logit_rows, hidden_size]
+        logits = F.linear(hidden, self.lm_head_weight)
+        # float64 models (tests) keep float64 logits so near-ties cannot flip; others compute in float32.
+        return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+    # ------------------------------------------------------------ weights
+    def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load weights named as in Hugging Face checkpoints (model.layers.{i}.self_attn.q_proj.weight, ...)."""
+        c = self.config
+        missing: list[str] = []
+
+        def take(name: str) -> torch.Tensor:
+            if name not in state_dict:
+                missing.append(name)
+                return torch.empty(0)
+            return state_dict[name]
+
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(take("model.embed_tokens.weight"))
+            self.norm.weight.copy_(take("model.norm.weight"))
+            if self.lm_head is not None:
+                self.lm_head.weight.copy_(take("lm_head.weight"))
+            for i, layer in enumerate(self.layers):
+                p = f"model.layers.{i}."
+                a = p + "self_attn."
+                qkv = [take(a + f"{n}_proj.weight") for n in "qkv"]
+                if not missing:
+                    layer.qkv_proj.weight.copy_(torch.cat(qkv, 0))
+                if c.qkv_bias:
+                    biases = [take(a + f"{n}_proj.bias") for n in "qkv"]
+                    if not missing and layer.qkv_proj.bias is not None:
+                        layer.qkv_proj.bias.copy_(torch.cat(biases, 0))
+                layer.o_proj.weight.copy_(take(a + "o_proj.weight"))
+                if layer.q_norm is not None and layer.k_norm is not None:
+                    layer.q_norm.weight.copy_(take(a + "q_norm.weight"))
+                    layer.k_norm.weight.copy_(take(a + "k_norm.weight"))
+                gate, up = take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")
+                if not missing:
+                    layer.gate_up_proj.weight.copy_(torch.cat([gate, up], 0))
+                layer.down_proj.weight.copy_(take(p + "mlp.down_proj.weight"))
+                layer.input_layernorm.weight.copy_(take(p + "input_layernorm.weight"))
+                layer.post_attention_layernorm.weight.copy_(take(p + "post_attention_layernorm.weight"))
+                if missing:
+                    break
+        if missing:
+            raise ModelLoadError(f"checkpoint is missing tensor(s): {', '.join(missing[:5])}")
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """The inverse of load_hf_state_dict (views of our fused weights under HF names)."""
+        c = self.config
+        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        out = {"model.embed_tokens.weight": self.embed_tokens.weight, "model.norm.weight": self.norm.weight}
+        if self.lm_head is not None:
+            out["lm_head.weight"] = self.lm_head.weight
+        for i, layer in enumerate(self.layers):
+            p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+            for n, w in zip("qkv", layer.qkv_proj.weight.split([q_size, kv_size, kv_size])):
+                out[a + f"{n}_proj.weight"] = w
+            if layer.qkv_proj.bias is not None:
+                for n, b in zip("qkv", layer.qkv_proj.bias.split([q_size, kv_size, kv_size])):
+                    out[a + f"{n}_proj.bias"] = b
+            out[a + "o_proj.weight"] = layer.o_proj.weight
+            if layer.q_norm is not None and layer.k_norm is not None:
+                out[a + "q_norm.weight"] = layer.q_norm.weight
+                out[a + "k_norm.weight"] = layer.k_norm.weight
+            gate, up = layer.gate_up_proj.weight.chunk(2, 0)
+            out[p + "mlp.gate_proj.weight"] = gate
+            out[p + "mlp.up_proj.weight"] = up
+            out[p + "mlp.down_proj.weight"] = layer.down_proj.weight
+            out[p + "input_layernorm.weight"] = layer.input_layernorm.weight
+            out[p + "post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight
+        return out
+
+
+def build_model(
+    config: ModelArchConfig,
+    state_dict: dict[str, torch.Tensor] | None,
+    dtype: torch.dtype = torch.float32,
+    max_positions: int | None = None,
+) -> LlamaForCausalLM:
+    """Construct on the meta device-free fast path (no random init when weights are given) and load."""
+    if state_dict is None:
+        model = LlamaForCausalLM(config, max_positions)
+    else:
+        with torch.device("meta"):
+            model = LlamaForCausalLM(config, max_positions)
+        model = model.to_empty(device="cpu")
+        model.rotary = Rotary(config, max_positions or config.max_position_embeddings)
+        model.load_hf_state_dict(state_dict)
+    return model.to(dtype).eval()
