@@ -1,0 +1,227 @@
+"""The Python API in the shape users know from vLLM: `LLM(model="default").generate(prompts, params)`."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from specd.config import EngineConfig, SpeculationConfig
+from specd.engine.engine import LLMEngine
+from specd.engine.outputs import CompletionOutput, RequestDelta, RequestOutput, RequestTimings, TokenLogprob
+from specd.errors import InvalidParameterError
+from specd.metrics.log_sink import PeriodicLogger
+from specd.metrics.stats import StatsSink
+from specd.metrics.trace import TraceSink
+from specd.model.llama import LlamaForCausalLM, build_model
+from specd.model.tokenizer import Tokenizer
+from specd.sampling.params import SamplingParams
+from specd.spec.factory import make_proposer
+from specd.spec.proposer import Proposer
+
+logger = logging.getLogger("specd")
+
+
+@dataclass(slots=True)
+class _Accumulator:
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] | None = None
+
+
+class LLM:
+    """Offline generation with continuous batching and speculation.
+
+    `LLM(model="default", speculation=SpeculationConfig(method="ngram", k_policy="heuristic"))`. Any
+    EngineConfig field can be passed as a keyword. Use `LLM.from_model` to wrap an in-memory model (tests).
+    """
+
+    def __init__(
+        self,
+        model: str = "default",
+        speculation: SpeculationConfig | None = None,
+        stats_sinks: Sequence[StatsSink] = (),
+        **engine_kwargs: Any,
+    ) -> None:
+        from specd.model.loader import load_checkpoint
+
+        config = EngineConfig(model=model, speculation=speculation or SpeculationConfig(), **engine_kwargs)
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        ckpt = load_checkpoint(config.model, config.torch_dtype)
+        target = build_model(ckpt.config, ckpt.state_dict, config.torch_dtype, max_positions=config.max_model_len)
+        self.source = ckpt.source
+        self._init(config, target, ckpt.tokenizer, stats_sinks)
+
+    @classmethod
+    def from_model(
+        cls,
+        model: LlamaForCausalLM,
+        tokenizer: Tokenizer | None,
+        config: EngineConfig,
+        stats_sinks: Sequence[StatsSink] = (),
+        proposer: Proposer | None = None,
+    ) -> LLM:
+        """Wrap an in-memory model. `proposer` overrides the one the config would build (tests, plugins)."""
+        self = cls.__new__(cls)
+        self.source = "in-memory model"
+        self._init(config, model, tokenizer, stats_sinks, proposer)
+        return self
+
+    def _init(
+        self,
+        config: EngineConfig,
+        model: LlamaForCausalLM,
+        tokenizer: Tokenizer | None,
+        sinks: Sequence[StatsSink],
+        proposer: Proposer | None = None,
+    ) -> None:
+        self.config = config
+        self.tokenizer = tokenizer
+        self.model = model
+        sinks = list(sinks)
+        self._trace: TraceSink | None = None
+        if config.spec_trace_path:
+            self._trace = TraceSink(config.spec_trace_path)
+            sinks.append(self._trace)
+        if proposer is None:
+            proposer = make_proposer(config, model, tokenizer)
+        self.engine = LLMEngine(config, model, tokenizer, proposer, stats_sinks=sinks)
+        self._periodic = (
+            PeriodicLogger(self.engine.recorder, config.log_stats_interval_s, logger)
+            if config.log_stats_interval_s > 0 else None
+        )
+        self._ids = itertools.count()
+
+    # ------------------------------------------------------------- stepping
+    def step(self) -> list[RequestDelta]:
+        """One engine step (the streaming interface): deltas of every request that changed."""
+        deltas = self.engine.step().deltas
+        if self._periodic is not None:
+            self._periodic.maybe_log(time.monotonic())
+        if self._trace is not None and not self.engine.has_unfinished():
+            self._trace.flush()
+        return deltas
+
+    def add_request(
+        self, prompt: str | None, params: SamplingParams, prompt_token_ids: list[int] | None = None,
+        request_id: str | None = None,
+    ) -> str:
+        rid = request_id or f"req-{next(self._ids)}"
+        self.engine.add_request(rid, prompt, params, prompt_token_ids)
+        return rid
+
+    def abort(self, request_id: str) -> bool:
+        return self.engine.abort_request(request_id)
+
+    def stream(self, prompt: str | None, params: SamplingParams | None = None,
+               prompt_token_ids: list[int] | None = None) -> Iterator[RequestDelta]:
+        """Generate one request, yielding its deltas as they are produced."""
+        rid = self.add_request(prompt, params or SamplingParams(), prompt_token_ids)
+        while True:
+            for delta in self.step():
+                if delta.request_id == rid:
+                    yield delta
+                    if delta.finished:
+                        return
+
+    # ------------------------------------------------------------ batch API
+    def generate(
+        self,
+        prompts: str | Sequence[str] | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        prompt_token_ids: Sequence[Sequence[int]] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text, or token ids) with continuous batching; outputs in input order."""
+        if prompts is None and prompt_token_ids is None:
+            raise InvalidParameterError("prompts", "give prompts or prompt_token_ids")
+        texts: list[str | None]
+        if prompt_token_ids is not None:
+            token_lists: list[list[int] | None] = [list(t) for t in prompt_token_ids]
+            texts = [None] * len(token_lists)
+        else:
+            texts = [prompts] if isinstance(prompts, str) else list(prompts or [])
+            token_lists = [None] * len(texts)
+        params = _broadcast(sampling_params, len(texts))
+        order: list[str] = []
+        acc: dict[str, _Accumulator] = {}
+        for text, toks, p in zip(texts, token_lists, params):
+            rid = self.add_request(text, p, toks)
+            order.append(rid)
+            acc[rid] = _Accumulator(
+                text, self.engine.get_prompt_token_ids(rid), logprobs=[] if p.logprobs is not None else None
+            )
+        finals: dict[str, RequestDelta] = {}
+        while len(finals) < len(order):
+            for delta in self.step():
+                a = acc.get(delta.request_id)
+                if a is None:
+                    continue
+                a.token_ids.extend(delta.new_token_ids)
+                a.text.append(delta.new_text)
+                if a.logprobs is not None and delta.new_logprobs:
+                    a.logprobs.extend(delta.new_logprobs)
+                if delta.finished:
+                    finals[delta.request_id] = delta
+        return [self._output(rid, acc[rid], finals[rid]) for rid in order]
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, str]] | Sequence[Sequence[Mapping[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate replies to one conversation or a list of them, using the model's chat template."""
+        if self.tokenizer is None:
+            raise InvalidParameterError("messages", "this model has no tokenizer / chat template")
+        if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
+            raise InvalidParameterError("messages", "must be a non-empty list of {role, content} messages")
+        conversations = [messages] if isinstance(messages[0], Mapping) else list(messages)
+        prompts = [self.tokenizer.apply_chat_template(c) for c in conversations]  # type: ignore[arg-type]
+        ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
+        outs = self.generate(prompt_token_ids=ids, sampling_params=sampling_params)
+        return [_replace_prompt(o, p) for o, p in zip(outs, prompts)]
+
+    def get_metrics(self) -> dict[str, Any]:
+        """Cumulative speculation metrics (JSON-ready), same definitions as every other sink."""
+        return self.engine.recorder.snapshot().to_dict()
+
+    def _output(self, rid: str, acc: _Accumulator, final: RequestDelta) -> RequestOutput:
+        timings = final.timings or RequestTimings(0.0, None, None, 0)
+        extra: dict[str, Any] = {}
+        if final.error:
+            extra["error"] = final.error
+        return RequestOutput(
+            request_id=rid,
+            prompt=acc.prompt,
+            prompt_token_ids=acc.prompt_token_ids,
+            outputs=[CompletionOutput(0, "".join(acc.text), acc.token_ids, final.finish_reason, acc.logprobs)],
+            finished=True,
+            spec_stats=final.spec_stats,
+            timings=timings,
+            extra={"num_prompt_tokens": final.num_prompt_tokens, **extra},
+        )
+
+
+def _broadcast(
+    params: SamplingParams | Sequence[SamplingParams] | None, n: int
+) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    if len(params) != n:
+        raise InvalidParameterError("sampling_params", f"got {len(params)} for {n} prompts")
+    return list(params)
+
+
+def _replace_prompt(out: RequestOutput, prompt: str) -> RequestOutput:
+    from dataclasses import replace
+
+    return replace(out, prompt=prompt)
