@@ -1,0 +1,108 @@
+"""Cost of SpecStatsRecorder.record_step at batch 32, k = 8, with each sink and with all of them.
+
+Run: .venv/bin/python bench/stats_overhead.py [--steps N] [--batch B] [--k K]
+Prints µs per record_step (median of repeats). The engine owner relates it to the step time: a step
+takes tens of ms on CPU, so anything under ~100 µs is below 1%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import random
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from prometheus_client import CollectorRegistry
+
+from specd.metrics.log_sink import PeriodicLogger
+from specd.metrics.prometheus_sink import PrometheusSink
+from specd.metrics.stats import SpecStatsRecorder, StatsSink, StepPhaseTimes
+from specd.metrics.trace import TraceSink
+
+
+def make_steps(num_steps: int, batch: int, k_max: int, seed: int = 0) -> list[torch.Tensor]:
+    """Random [3, batch] count tensors: k_i in [0, k_max], a_i <= k_i, e_i = a_i + 1."""
+    rng = random.Random(seed)
+    steps = []
+    for _ in range(num_steps):
+        num_draft = [rng.randint(0, k_max) for _ in range(batch)]
+        num_accepted = [rng.randint(0, k) for k in num_draft]
+        steps.append(torch.tensor([num_draft, num_accepted, [a + 1 for a in num_accepted]], dtype=torch.int64))
+    return steps
+
+
+def time_config(
+    make_sinks: Callable[[Path], list[StatsSink]],
+    steps: list[torch.Tensor],
+    k_max: int,
+    tmp: Path,
+    detail: str | None,
+    periodic_log: bool,
+    repeats: int,
+) -> float:
+    """Median over repeats of the mean µs per step (record_step + maybe_log, finishing requests periodically)."""
+    batch = steps[0].shape[1]
+    results = []
+    for _ in range(repeats):
+        sinks = make_sinks(tmp)
+        recorder = SpecStatsRecorder(k_max, sinks=sinks, keep_step_detail_for="all" if detail else frozenset())
+        logger = PeriodicLogger(recorder, interval_s=1.0, logger=logging.getLogger("bench"), start_s=0.0)
+        times = StepPhaseTimes(0.002, 0.030, 0.001)
+        request_ids = [f"req-{i}" for i in range(batch)]
+        next_id = batch
+        start = time.perf_counter()
+        for index, counts in enumerate(steps):
+            recorder.record_step(request_ids, counts, times)
+            if periodic_log:
+                logger.maybe_log(index * 0.03)  # a 30 ms step: one log line every ~33 steps
+            if index % 64 == 63:  # requests of ~64 steps: finish one slot's request, start a new one
+                slot = (index // 64) % batch
+                recorder.finish_request(request_ids[slot])
+                request_ids[slot] = f"req-{next_id}"
+                next_id += 1
+        results.append((time.perf_counter() - start) / len(steps) * 1e6)
+        for sink in sinks:
+            if isinstance(sink, TraceSink):
+                sink.close()
+    return statistics.median(results)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--k", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    steps = make_steps(args.steps, args.batch, args.k)
+    logging.getLogger("bench").setLevel(logging.WARNING)  # format the line, don't print it
+
+    def prometheus(_: Path) -> list[StatsSink]:
+        return [PrometheusSink(CollectorRegistry(), args.k, model="m", proposer="ngram", vllm_compat=True)]
+
+    def trace(tmp: Path) -> list[StatsSink]:
+        return [TraceSink(tmp / "trace.jsonl")]
+
+    configs: list[tuple[str, Callable[[Path], list[StatsSink]], str | None, bool]] = [
+        ("recorder only", lambda _: [], None, False),
+        ("+ periodic log line", lambda _: [], None, True),
+        ("+ prometheus sink", prometheus, None, False),
+        ("+ trace sink (JSONL)", trace, None, False),
+        ("all sinks + log line", lambda tmp: prometheus(tmp) + trace(tmp), None, True),
+        ("all sinks + log + step detail for all", lambda tmp: prometheus(tmp) + trace(tmp), "all", True),
+    ]
+    print(f"record_step cost, batch={args.batch}, k={args.k}, {args.steps} steps x {args.repeats} repeats")
+    print(f"{'configuration':<40} {'µs/step':>9}")
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, make_sinks, detail, periodic_log in configs:
+            micros = time_config(make_sinks, steps, args.k, Path(tmp), detail, periodic_log, args.repeats)
+            print(f"{name:<40} {micros:>9.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,199 @@
+"""Prometheus writer for speculation metrics, registered in a CollectorRegistry the caller owns.
+
+Additive quantities are counters; ratios are left to PromQL (docs/metrics.md has the recipes). The
+per-step counters and the accepted-length histogram are kept as running integer cells and turned into
+metric families at scrape time (a custom collector), so a step costs a few list increments instead of
+dozens of locked Counter.inc() calls, and a scrape always sees one consistent step boundary. Labels are
+`model` and `proposer` on everything, never per request. With vllm_compat=True the vLLM-v1 names
+(`vllm:spec_decode_*`, labels model_name and engine, 0-based position) are exported as well.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
+
+from specd.metrics.records import StepRecord
+from specd.metrics.snapshots import RequestSpecStats, tau_bucket_bounds
+from specd.metrics.stats import CounterCells
+
+NAMESPACE = "specd_spec_decode"
+DEFAULT_PHASE_BUCKETS = (
+    1e-4,
+    2.5e-4,
+    5e-4,
+    1e-3,
+    2.5e-3,
+    5e-3,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+)
+
+
+class PrometheusSink:
+    """StatsSink that exports specd_spec_decode_* metrics (and optionally vllm:spec_decode_*)."""
+
+    def __init__(
+        self,
+        registry: CollectorRegistry,
+        k_max: int,
+        model: str,
+        proposer: str,
+        vllm_compat: bool = False,
+        vllm_engine: str = "0",
+        phase_buckets: Sequence[float] = DEFAULT_PHASE_BUCKETS,
+    ) -> None:
+        if k_max < 0:
+            raise ValueError(f"k_max: must be >= 0, got {k_max}")
+        if list(phase_buckets) != sorted(set(phase_buckets)) or not phase_buckets:
+            raise ValueError("phase_buckets: must be a non-empty strictly increasing sequence")
+        self.k_max = k_max
+        self._labels = {"model": model, "proposer": proposer}
+        self._vllm_labels = {"model_name": model, "engine": vllm_engine} if vllm_compat else None
+        self._lock = threading.Lock()
+        self._cells = CounterCells(k_max)
+        self._steps = 0
+        self._spec_steps = 0
+        registry.register(self)
+        phase = Histogram(
+            f"{NAMESPACE}_phase_seconds",
+            "Seconds per step spent in each speculation phase.",
+            labelnames=("model", "proposer", "phase"),
+            buckets=tuple(phase_buckets),
+            registry=registry,
+        )
+        self._propose = phase.labels(model, proposer, "propose")
+        self._verify = phase.labels(model, proposer, "verify")
+        self._sample = phase.labels(model, proposer, "sample")
+        self._request_tau = Histogram(
+            f"{NAMESPACE}_request_mean_acceptance_length",
+            "Mean acceptance length (tau = 1 + accepted/drafts) of each finished request that drafted.",
+            labelnames=("model", "proposer"),
+            buckets=tau_bucket_bounds(k_max),
+            registry=registry,
+        ).labels(model, proposer)
+
+    # StatsSink -----------------------------------------------------------------------------------
+    def on_step(self, record: StepRecord) -> None:
+        with self._lock:
+            self._cells.add_step(record.num_draft_tokens, record.num_accepted_tokens, record.num_emitted_tokens)
+            self._steps += 1
+            if any(record.num_draft_tokens):
+                self._spec_steps += 1
+        self._propose.observe(record.times.propose_s)
+        self._verify.observe(record.times.verify_s)
+        self._sample.observe(record.times.sample_s)
+
+    def on_request_finished(self, request_id: str, stats: RequestSpecStats) -> None:
+        tau = stats.mean_acceptance_length
+        if tau is not None:
+            self._request_tau.observe(tau)
+
+    # Collector -----------------------------------------------------------------------------------
+    def describe(self) -> list[Metric]:
+        """Names only (for the registry's duplicate check); no samples."""
+        return list(self._families(with_samples=False))
+
+    def collect(self) -> Iterator[Metric]:
+        return self._families(with_samples=True)
+
+    def _families(self, with_samples: bool) -> Iterator[Metric]:
+        with self._lock:
+            counters = self._cells.freeze()
+            steps, spec_steps = self._steps, self._spec_steps
+        names, values = list(self._labels), list(self._labels.values())
+
+        def counter(name: str, doc: str, value: int) -> CounterMetricFamily:
+            family = CounterMetricFamily(f"{NAMESPACE}_{name}", doc, labels=names)
+            if with_samples:
+                family.add_metric(values, value)
+            return family
+
+        yield counter("drafts", "Drafts: (sequence, step) pairs with at least one draft token.", counters.drafts)
+        yield counter("draft_tokens", "Draft tokens proposed.", counters.draft_tokens)
+        yield counter(
+            "accepted_tokens",
+            "Draft tokens accepted by the verifier (before stop truncation).",
+            counters.accepted_tokens,
+        )
+        yield counter(
+            "emitted_tokens",
+            "Tokens emitted by drafts (after stop truncation, bonus included).",
+            counters.emitted_tokens,
+        )
+        yield counter("steps", "Verification steps recorded.", steps)
+        yield counter("spec_steps", "Steps with at least one draft.", spec_steps)
+        yield counter("nonspec_seq_steps", "Sequence-steps with no draft (k = 0).", counters.nonspec_seq_steps)
+        yield counter("nonspec_tokens", "Tokens emitted by sequence-steps with no draft.", counters.nonspec_tokens)
+        for name, doc, per_position in (
+            ("drafted_at_position", "Drafts that proposed position j (k >= j).", counters.drafted_at),
+            (
+                "reached_at_position",
+                "Drafts that proposed position j with positions < j accepted.",
+                counters.reached_at,
+            ),
+            ("accepted_at_position", "Drafts whose position j was accepted (a >= j).", counters.accepted_at),
+        ):
+            family = CounterMetricFamily(f"{NAMESPACE}_{name}", doc, labels=[*names, "position"])
+            if with_samples:
+                for position, value in enumerate(per_position, start=1):
+                    family.add_metric([*values, str(position)], value)
+            yield family
+        histogram = HistogramMetricFamily(
+            f"{NAMESPACE}_accepted_length", "Accepted draft tokens per draft (a, 0..k_max).", labels=names
+        )
+        if with_samples:
+            cumulative, buckets = 0, []
+            for length, count in enumerate(counters.accepted_length_hist):
+                cumulative += count
+                buckets.append((str(float(length)), cumulative))
+            buckets.append(("+Inf", cumulative))
+            histogram.add_metric(values, buckets, sum_value=counters.accepted_tokens)
+        yield histogram
+        if self._vllm_labels is not None:
+            yield from self._vllm_families(
+                counters.drafts,
+                counters.draft_tokens,
+                counters.accepted_tokens,
+                counters.accepted_at,
+                with_samples,
+            )
+
+    def _vllm_families(
+        self,
+        drafts: int,
+        draft_tokens: int,
+        accepted_tokens: int,
+        accepted_at: Sequence[int],
+        with_samples: bool,
+    ) -> Iterator[Metric]:
+        assert self._vllm_labels is not None
+        names, values = list(self._vllm_labels), list(self._vllm_labels.values())
+        for name, doc, value in (
+            ("vllm:spec_decode_num_drafts", "Number of spec decoding drafts.", drafts),
+            ("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.", draft_tokens),
+            ("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.", accepted_tokens),
+        ):
+            family = CounterMetricFamily(name, doc, labels=names)
+            if with_samples:
+                family.add_metric(values, value)
+            yield family
+        family = CounterMetricFamily(
+            "vllm:spec_decode_num_accepted_tokens_per_pos",
+            "Accepted tokens per draft position.",
+            labels=[*names, "position"],
+        )
+        if with_samples:
+            for position, value in enumerate(accepted_at):  # vLLM's position label is 0-based
+                family.add_metric([*values, str(position)], value)
+        yield family

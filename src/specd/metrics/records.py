@@ -1,0 +1,249 @@
+"""Typed, frozen results of the speculation metrics layer: counters, per-request stats and snapshots.
+
+Vocabulary (docs/metrics.md has the full definitions and a worked example). Per verification step each
+sequence i gets k_i draft tokens, the verifier accepts a prefix of a_i of them (before stop truncation)
+and e_i tokens are emitted (after stop truncation, bonus/correction token included). A *draft* is a
+(sequence, step) pair with k_i >= 1; a sequence-step with k_i == 0 is *non-speculative*.
+
+Per-position arrays are 0-indexed in Python and JSON: index j - 1 holds position j (1..k_max).
+Every derived value is None when its denominator is 0. Per-request stats and snapshots: snapshots.py.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+# Scalar derived metrics that exist both pooled (over all drafts) and as a mean of per-request values.
+SCALAR_METRICS = (
+    "acceptance_rate",
+    "mean_accepted_length",
+    "mean_acceptance_length",
+    "emitted_per_draft",
+    "mean_proposed_length",
+    "tokens_per_target_forward",
+)
+
+
+def ratio(numerator: float, denominator: float) -> float | None:
+    """numerator / denominator, or None when the denominator is 0 (never NaN, never a fake 0)."""
+    return numerator / denominator if denominator else None
+
+
+@dataclass(frozen=True, slots=True)
+class StepPhaseTimes:
+    """Seconds this step spent proposing, in the target forward (verify) and in rejection sampling."""
+
+    propose_s: float
+    verify_s: float
+    sample_s: float
+
+    def __post_init__(self) -> None:
+        # One chained check on the fast path; NaN fails every comparison and is rejected too.
+        if 0.0 <= self.propose_s < math.inf and 0.0 <= self.verify_s < math.inf and (0.0 <= self.sample_s < math.inf):
+            return
+        for name in ("propose_s", "verify_s", "sample_s"):
+            value = getattr(self, name)
+            if not 0.0 <= value < math.inf:
+                raise ValueError(f"{name}: must be a finite number of seconds >= 0, got {value!r}")
+
+
+class StepDetail(NamedTuple):
+    """One step of one request, kept only for requests asked for in detail (debugging)."""
+
+    step: int
+    k: int
+    accepted: int
+    emitted: int
+
+
+class StepRecord(NamedTuple):
+    """What every sink receives once per step. Read-only: sinks must not mutate the lists.
+
+    The three count lists are aligned with request_ids ([num_seqs] each).
+    """
+
+    step: int  # 0-based index of this step in the recorder
+    time_s: float  # wall-clock (Unix) time the step was recorded
+    request_ids: Sequence[str]
+    num_draft_tokens: Sequence[int]  # k_i
+    num_accepted_tokens: Sequence[int]  # a_i, the verifier's decision (before stop truncation)
+    num_emitted_tokens: Sequence[int]  # e_i, after stop truncation, bonus/correction included
+    times: StepPhaseTimes
+
+
+def add_tuples(left: tuple[int, ...], right: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(x + y for x, y in zip(left, right))
+
+
+@dataclass(frozen=True, slots=True)
+class SpecCounters:
+    """Additive per-sequence counters over one window (a request, an interval or the whole run).
+
+    The same class serves every window, and `+` merges two windows, so request sums, interval sums and
+    the cumulative totals are consistent by construction. It holds no step-level quantities (those do
+    not add up across requests); see StepTotals.
+    """
+
+    k_max: int
+    drafts: int
+    draft_tokens: int
+    accepted_tokens: int
+    emitted_tokens: int  # emitted by drafts only
+    nonspec_seq_steps: int
+    nonspec_tokens: int
+    drafted_at: tuple[int, ...]  # [k_max]: drafts with k_i >= j
+    reached_at: tuple[int, ...]  # [k_max]: drafts with k_i >= j and a_i >= j - 1
+    accepted_at: tuple[int, ...]  # [k_max]: drafts with a_i >= j
+    accepted_length_hist: tuple[int, ...]  # [k_max + 1]: drafts with a_i == a
+    joint_hist: tuple[tuple[int, ...], ...]  # [k_max][k_max + 1]: joint_hist[k - 1][a] drafts with (k, a)
+
+    def __post_init__(self) -> None:
+        width = self.k_max + 1
+        for name, value, length in (
+            ("drafted_at", self.drafted_at, self.k_max),
+            ("reached_at", self.reached_at, self.k_max),
+            ("accepted_at", self.accepted_at, self.k_max),
+            ("accepted_length_hist", self.accepted_length_hist, width),
+            ("joint_hist", self.joint_hist, self.k_max),
+        ):
+            if len(value) != length:
+                raise ValueError(f"{name}: expected length {length} for k_max={self.k_max}, got {len(value)}")
+        if any(len(row) != width for row in self.joint_hist):
+            raise ValueError(f"joint_hist: every row must have length {width}")
+
+    @classmethod
+    def zero(cls, k_max: int) -> SpecCounters:
+        if k_max < 0:
+            raise ValueError(f"k_max: must be >= 0, got {k_max}")
+        empty = (0,) * k_max
+        return cls(
+            k_max,
+            0,
+            0,
+            0,
+            0,
+            0,
+            0,
+            empty,
+            empty,
+            empty,
+            (0,) * (k_max + 1),
+            tuple((0,) * (k_max + 1) for _ in range(k_max)),
+        )
+
+    def __add__(self, other: SpecCounters) -> SpecCounters:
+        if not isinstance(other, SpecCounters):
+            return NotImplemented
+        if other.k_max != self.k_max:
+            raise ValueError(f"k_max: cannot add counters with k_max {self.k_max} and {other.k_max}")
+        return SpecCounters(
+            self.k_max,
+            self.drafts + other.drafts,
+            self.draft_tokens + other.draft_tokens,
+            self.accepted_tokens + other.accepted_tokens,
+            self.emitted_tokens + other.emitted_tokens,
+            self.nonspec_seq_steps + other.nonspec_seq_steps,
+            self.nonspec_tokens + other.nonspec_tokens,
+            add_tuples(self.drafted_at, other.drafted_at),
+            add_tuples(self.reached_at, other.reached_at),
+            add_tuples(self.accepted_at, other.accepted_at),
+            add_tuples(self.accepted_length_hist, other.accepted_length_hist),
+            tuple(add_tuples(x, y) for x, y in zip(self.joint_hist, other.joint_hist)),
+        )
+
+    @property
+    def target_forward_seq_steps(self) -> int:
+        """Every sequence-step, speculative or not: one row of one target forward each."""
+        return self.drafts + self.nonspec_seq_steps
+
+    @property
+    def total_emitted_tokens(self) -> int:
+        return self.emitted_tokens + self.nonspec_tokens
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return ratio(self.accepted_tokens, self.draft_tokens)
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """A / D: accepted draft tokens per draft, 0..k, bonus token excluded."""
+        return ratio(self.accepted_tokens, self.drafts)
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        """tau = 1 + A / D (EAGLE / vLLM-v1 convention: the bonus token included)."""
+        mean = ratio(self.accepted_tokens, self.drafts)
+        return None if mean is None else 1.0 + mean
+
+    @property
+    def emitted_per_draft(self) -> float | None:
+        return ratio(self.emitted_tokens, self.drafts)
+
+    @property
+    def mean_proposed_length(self) -> float | None:
+        return ratio(self.draft_tokens, self.drafts)
+
+    @property
+    def tokens_per_target_forward(self) -> float | None:
+        return ratio(self.total_emitted_tokens, self.target_forward_seq_steps)
+
+    @property
+    def per_position_acceptance(self) -> tuple[float | None, ...]:
+        """accepted_at[j] / drafted_at[j]: of the drafts that proposed position j, the share accepted."""
+        return tuple(ratio(a, d) for a, d in zip(self.accepted_at, self.drafted_at))
+
+    @property
+    def conditional_acceptance(self) -> tuple[float | None, ...]:
+        """accepted_at[j] / reached_at[j]: acceptance at j given positions 1..j-1 were accepted."""
+        return tuple(ratio(a, r) for a, r in zip(self.accepted_at, self.reached_at))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "k_max": self.k_max,
+            "drafts": self.drafts,
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "emitted_tokens": self.emitted_tokens,
+            "nonspec_seq_steps": self.nonspec_seq_steps,
+            "nonspec_tokens": self.nonspec_tokens,
+            "target_forward_seq_steps": self.target_forward_seq_steps,
+            "drafted_at": list(self.drafted_at),
+            "reached_at": list(self.reached_at),
+            "accepted_at": list(self.accepted_at),
+            "accepted_length_hist": list(self.accepted_length_hist),
+            "joint_hist": [list(row) for row in self.joint_hist],
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class StepTotals:
+    """Step-level (batch-level) totals of a window; they add across windows, not across requests."""
+
+    steps: int = 0
+    spec_steps: int = 0  # steps with at least one draft
+    propose_s: float = 0.0
+    verify_s: float = 0.0
+    sample_s: float = 0.0
+
+    def __add__(self, other: StepTotals) -> StepTotals:
+        if not isinstance(other, StepTotals):
+            return NotImplemented
+        return StepTotals(
+            self.steps + other.steps,
+            self.spec_steps + other.spec_steps,
+            self.propose_s + other.propose_s,
+            self.verify_s + other.verify_s,
+            self.sample_s + other.sample_s,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "steps": self.steps,
+            "spec_steps": self.spec_steps,
+            "propose_s": self.propose_s,
+            "verify_s": self.verify_s,
+            "sample_s": self.sample_s,
+        }

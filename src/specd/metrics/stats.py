@@ -1,0 +1,287 @@
+"""Speculation statistics, computed in one place: the recorder the engine calls once per step.
+
+Pure computation, no exporter imports. Sinks (log line, Prometheus, JSONL trace) only write what the
+recorder hands them. The hot path (`record_step`) does one device-to-host copy of the [3, num_seqs]
+count tensor and a few integer increments per sequence; everything derived is computed lazily when a
+snapshot is taken.
+
+Running counters live in a flat list of ints ("cells"): cell k * (k_max + 1) + a counts sequence-steps
+with (k_i, a_i) = (k, a) (cell 0 is the non-speculative sequence-steps), followed by the tokens emitted by
+drafts and the tokens emitted by non-speculative sequence-steps. Every counter in SpecCounters is a
+function of these cells, so the hot path touches three ints per sequence and window.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Collection, Sequence
+from typing import Literal, Protocol
+
+import torch
+
+from specd.metrics.records import SpecCounters, StepDetail, StepPhaseTimes, StepRecord, StepTotals
+from specd.metrics.snapshots import PerRequestAggregates, RequestSpecStats, SpecMetricsSnapshot
+
+__all__ = [
+    "CounterCells",
+    "RequestSpecStats",
+    "SpecMetricsSnapshot",
+    "SpecStatsRecorder",
+    "StatsSink",
+    "StepPhaseTimes",
+    "StepRecord",
+]
+
+_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+class StatsSink(Protocol):
+    """Writes what the recorder computed (log, Prometheus, trace file). Changes only its own state."""
+
+    def on_step(self, record: StepRecord) -> None:
+        """Called once per recorded step, after the recorder's counters include it."""
+        ...
+
+    def on_request_finished(self, request_id: str, stats: RequestSpecStats) -> None:
+        """Called once when the engine finishes (or aborts) a request, with its final counters."""
+        ...
+
+
+class CounterCells:
+    """Mutable running counters of one window in the flat cell layout; `freeze()` gives SpecCounters."""
+
+    __slots__ = ("cells", "emitted_slot", "k_max", "nonspec_slot", "width")
+
+    def __init__(self, k_max: int) -> None:
+        self.k_max = k_max
+        self.width = k_max + 1
+        self.emitted_slot = self.width * self.width
+        self.nonspec_slot = self.emitted_slot + 1
+        self.cells = [0] * (self.nonspec_slot + 1)
+
+    def add_step(self, num_draft: Sequence[int], num_accepted: Sequence[int], num_emitted: Sequence[int]) -> None:
+        """Add one step's already validated (k_i, a_i, e_i) rows."""
+        cells, width, emitted_slot, nonspec_slot = (
+            self.cells,
+            self.width,
+            self.emitted_slot,
+            self.nonspec_slot,
+        )
+        for k, a, e in zip(num_draft, num_accepted, num_emitted):
+            cells[k * width + a] += 1
+            cells[emitted_slot if k else nonspec_slot] += e
+
+    def freeze(self) -> SpecCounters:
+        return counters_from_cells(self.cells, self.k_max)
+
+
+def counters_from_cells(cells: Sequence[int], k_max: int) -> SpecCounters:
+    """Derive every SpecCounters field from the flat cell layout (see module docstring).
+
+    Per-position counters use difference arrays: a draft (k, a) adds 1 to drafted_at[1..k],
+    reached_at[1..min(k, a + 1)] and accepted_at[1..a].
+    """
+    width = k_max + 1
+    joint = [list(cells[k * width : (k + 1) * width]) for k in range(1, width)]  # [k_max][k_max + 1]
+    drafted_diff = [0] * (k_max + 2)
+    reached_diff = [0] * (k_max + 2)
+    accepted_diff = [0] * (k_max + 2)
+    accepted_hist = [0] * width
+    drafts = draft_tokens = accepted_tokens = 0
+    for k, row in enumerate(joint, start=1):
+        for a, count in enumerate(row):
+            if not count:
+                continue
+            drafts += count
+            draft_tokens += k * count
+            accepted_tokens += a * count
+            accepted_hist[a] += count
+            drafted_diff[1] += count
+            drafted_diff[k + 1] -= count
+            reached_diff[1] += count
+            reached_diff[min(k, a + 1) + 1] -= count
+            accepted_diff[1] += count
+            accepted_diff[a + 1] -= count
+
+    def prefix(diff: list[int]) -> tuple[int, ...]:
+        out, running = [], 0
+        for j in range(1, width):
+            running += diff[j]
+            out.append(running)
+        return tuple(out)
+
+    return SpecCounters(
+        k_max=k_max,
+        drafts=drafts,
+        draft_tokens=draft_tokens,
+        accepted_tokens=accepted_tokens,
+        emitted_tokens=cells[width * width],
+        nonspec_seq_steps=cells[0],
+        nonspec_tokens=cells[width * width + 1],
+        drafted_at=prefix(drafted_diff),
+        reached_at=prefix(reached_diff),
+        accepted_at=prefix(accepted_diff),
+        accepted_length_hist=tuple(accepted_hist),
+        joint_hist=tuple(tuple(row) for row in joint),
+    )
+
+
+class SpecStatsRecorder:
+    """Counts drafts, acceptances and emitted tokens per step, per request, per interval and in total.
+
+    Thread-safe: the engine thread records steps while a server thread may take snapshots. Only one
+    consumer should call take_interval() (normally the PeriodicLogger); others use snapshot().
+    keep_step_detail_for: request ids that always keep a per-step detail list, or "all" (debugging).
+    """
+
+    def __init__(
+        self,
+        k_max: int,
+        sinks: Sequence[StatsSink] = (),
+        keep_step_detail_for: Collection[str] | Literal["all"] = frozenset(),
+    ) -> None:
+        if isinstance(k_max, bool) or not isinstance(k_max, int) or k_max < 0:
+            raise ValueError(f"k_max: must be an integer >= 0, got {k_max!r}")
+        self.k_max = k_max
+        self._sinks = tuple(sinks)
+        self._detail_all = keep_step_detail_for == "all"
+        self._detail_always = frozenset() if self._detail_all else frozenset(keep_step_detail_for)
+        self._lock = threading.Lock()
+        self._next_step = 0
+        self._live: dict[str, CounterCells] = {}
+        self._detail: dict[str, list[StepDetail]] = {}
+        self._base = SpecMetricsSnapshot.zero(k_max)  # every closed interval, summed
+        self._reset_interval()
+
+    def _reset_interval(self) -> None:
+        self._interval = CounterCells(self.k_max)
+        self._interval_steps = 0
+        self._interval_spec_steps = 0
+        self._interval_propose_s = 0.0
+        self._interval_verify_s = 0.0
+        self._interval_sample_s = 0.0
+        self._interval_requests = PerRequestAggregates.zero(self.k_max)
+
+    def record_step(
+        self,
+        request_ids: Sequence[str],
+        counts: torch.Tensor,  # [3, num_seqs] integer: rows k_i, a_i, e_i
+        times: StepPhaseTimes,
+        detail_request_ids: frozenset[str] | set[str] = frozenset(),
+    ) -> None:
+        """Add one verification step to every window and hand its record to every sink.
+
+        Sequences with k_i == 0 are included (they count as non-speculative sequence-steps). Raises
+        ValueError, changing nothing, if the shape or any (k_i, a_i, e_i) is out of range.
+        """
+        num_seqs = len(request_ids)
+        if counts.dim() != 2 or counts.shape[0] != 3 or counts.shape[1] != num_seqs:
+            raise ValueError(f"counts: expected shape [3, {num_seqs}], got {list(counts.shape)}")
+        if num_seqs == 0:
+            raise ValueError("request_ids: a step verifies at least one sequence")
+        if counts.dtype not in _INT_DTYPES:
+            raise ValueError(f"counts: expected an integer tensor, got {counts.dtype}")
+        num_draft, num_accepted, num_emitted = counts.tolist()  # the step's only device-to-host copy
+        k_max = self.k_max
+        for index, (k, a, e) in enumerate(zip(num_draft, num_accepted, num_emitted)):
+            if not (0 <= a <= k <= k_max and 0 <= e <= a + 1):
+                raise ValueError(
+                    f"counts: sequence {index} ({request_ids[index]!r}) has k={k}, a={a}, e={e}; "
+                    f"need 0 <= a <= k <= k_max={k_max} and 0 <= e <= a + 1"
+                )
+        now = time.time()
+        with self._lock:
+            step = self._next_step
+            self._next_step += 1
+            interval = self._interval
+            cells, width = interval.cells, interval.width
+            emitted_slot, nonspec_slot = interval.emitted_slot, interval.nonspec_slot
+            live = self._live
+            for request_id, k, a, e in zip(request_ids, num_draft, num_accepted, num_emitted):
+                cell = k * width + a
+                slot = emitted_slot if k else nonspec_slot
+                cells[cell] += 1
+                cells[slot] += e
+                request = live.get(request_id)
+                if request is None:
+                    request = live[request_id] = CounterCells(k_max)
+                request_cells = request.cells
+                request_cells[cell] += 1
+                request_cells[slot] += e
+            if self._detail_all or self._detail_always or detail_request_ids:
+                self._record_detail(step, request_ids, num_draft, num_accepted, num_emitted, detail_request_ids)
+            self._interval_steps += 1
+            if any(num_draft):
+                self._interval_spec_steps += 1
+            self._interval_propose_s += times.propose_s
+            self._interval_verify_s += times.verify_s
+            self._interval_sample_s += times.sample_s
+        if self._sinks:
+            record = StepRecord(step, now, request_ids, num_draft, num_accepted, num_emitted, times)
+            for sink in self._sinks:
+                sink.on_step(record)
+
+    def _record_detail(
+        self,
+        step: int,
+        request_ids: Sequence[str],
+        num_draft: list[int],
+        num_accepted: list[int],
+        num_emitted: list[int],
+        detail_request_ids: Collection[str],
+    ) -> None:
+        for request_id, k, a, e in zip(request_ids, num_draft, num_accepted, num_emitted):
+            if self._detail_all or request_id in detail_request_ids or request_id in self._detail_always:
+                self._detail.setdefault(request_id, []).append(StepDetail(step, k, a, e))
+
+    def _request_stats_locked(self, request_id: str, pop: bool) -> RequestSpecStats:
+        cells = self._live.pop(request_id, None) if pop else self._live.get(request_id)
+        detail = self._detail.pop(request_id, None) if pop else self._detail.get(request_id)
+        counters = cells.freeze() if cells is not None else SpecCounters.zero(self.k_max)
+        return RequestSpecStats(request_id, counters, tuple(detail) if detail is not None else None)
+
+    def request_stats(self, request_id: str) -> RequestSpecStats:
+        """Live counters of a running request (zero counters if it has not been in a step yet)."""
+        with self._lock:
+            return self._request_stats_locked(request_id, pop=False)
+
+    def finish_request(self, request_id: str) -> RequestSpecStats:
+        """Forget a finished or aborted request, add it to the per-request aggregates, notify sinks.
+
+        A request that was never in a step is still counted as finished, with zero counters.
+        """
+        with self._lock:
+            stats = self._request_stats_locked(request_id, pop=True)
+            self._interval_requests = self._interval_requests.observe(stats.counters)
+        for sink in self._sinks:
+            sink.on_request_finished(request_id, stats)
+        return stats
+
+    def _interval_snapshot_locked(self) -> SpecMetricsSnapshot:
+        totals = StepTotals(
+            self._interval_steps,
+            self._interval_spec_steps,
+            self._interval_propose_s,
+            self._interval_verify_s,
+            self._interval_sample_s,
+        )
+        return SpecMetricsSnapshot(self._interval.freeze(), totals, self._interval_requests)
+
+    def snapshot(self) -> SpecMetricsSnapshot:
+        """Cumulative counters since the recorder was created."""
+        with self._lock:
+            return self._base + self._interval_snapshot_locked()
+
+    def take_interval(self) -> SpecMetricsSnapshot:
+        """Counters since the previous take_interval() (or creation); starts a new interval."""
+        with self._lock:
+            interval = self._interval_snapshot_locked()
+            self._base = self._base + interval
+            self._reset_interval()
+            return interval
+
+    @property
+    def live_request_ids(self) -> tuple[str, ...]:
+        with self._lock:
+            return tuple(self._live)

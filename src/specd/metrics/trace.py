@@ -1,0 +1,241 @@
+"""JSONL step trace: a sink that writes one line per (step, request), a reader, and an independent recount.
+
+Two kinds of line, one JSON object each. A step line per (step, request); phase times are the whole
+step's, repeated on each of its lines:
+    {"step": 12, "time": 1733150000.123, "request_id": "req-7", "k": 4, "accepted": 2, "emitted": 3,
+     "propose_s": 0.0011, "verify_s": 0.0213, "sample_s": 0.0004}
+and a finish line when the engine finishes (or aborts) a request:
+    {"event": "finish", "time": 1733150001.5, "request_id": "req-7"}
+
+`recount` recomputes every counter straight from the lines with plain loops over positions. It shares
+no arithmetic with the recorder (which derives per-position counters from a joint histogram), so
+comparing the two is a real cross-check.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import IO, Any, NamedTuple
+
+from specd.errors import SpecdError
+from specd.metrics.records import SpecCounters, StepRecord, StepTotals
+from specd.metrics.snapshots import PerRequestAggregates, RequestSpecStats, SpecMetricsSnapshot
+
+_INT_FIELDS = ("step", "k", "accepted", "emitted")
+_FLOAT_FIELDS = ("time", "propose_s", "verify_s", "sample_s")
+
+
+class TraceFormatError(SpecdError, ValueError):
+    """A trace file is missing or a line is malformed; names the file and line."""
+
+
+class TraceRecord(NamedTuple):
+    """One step line: one request in one step."""
+
+    step: int
+    time: float
+    request_id: str
+    k: int
+    accepted: int
+    emitted: int
+    propose_s: float
+    verify_s: float
+    sample_s: float
+
+
+class TraceFinish(NamedTuple):
+    """One finish line: the request's counters are final; its id may be reused afterwards."""
+
+    time: float
+    request_id: str
+
+
+class TraceSink:
+    """StatsSink writing the JSONL trace to `path` (truncated on open). close() it (or use `with`)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._file: IO[str] = self.path.open("w", encoding="utf-8")
+        self._lock = threading.Lock()
+        self._quoted_ids: dict[str, str] = {}  # request id -> its JSON string literal, while it runs
+
+    def on_step(self, record: StepRecord) -> None:
+        times = record.times
+        head = f'{{"step":{record.step},"time":{record.time_s!r},"request_id":'
+        tail = f',"propose_s":{times.propose_s!r},"verify_s":{times.verify_s!r},"sample_s":{times.sample_s!r}}}\n'
+        quoted_ids = self._quoted_ids
+        lines = []
+        for request_id, k, a, e in zip(
+            record.request_ids, record.num_draft_tokens, record.num_accepted_tokens, record.num_emitted_tokens
+        ):
+            quoted = quoted_ids.get(request_id)
+            if quoted is None:
+                quoted = quoted_ids[request_id] = json.dumps(request_id)
+            lines.append(f'{head}{quoted},"k":{k},"accepted":{a},"emitted":{e}{tail}')
+        with self._lock:
+            self._file.write("".join(lines))
+
+    def on_request_finished(self, request_id: str, stats: RequestSpecStats) -> None:
+        quoted = self._quoted_ids.pop(request_id, None) or json.dumps(request_id)
+        line = f'{{"event":"finish","time":{time.time()!r},"request_id":{quoted}}}\n'
+        with self._lock:
+            self._file.write(line)
+
+    def flush(self) -> None:
+        with self._lock:
+            self._file.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+
+    def __enter__(self) -> TraceSink:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def _parse_line(path: Path, line_no: int, line: str) -> TraceRecord | TraceFinish:
+    where = f"{path}:{line_no}"
+    try:
+        obj: Any = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise TraceFormatError(f"{where}: not valid JSON ({exc.msg})") from None
+    if not isinstance(obj, dict):
+        raise TraceFormatError(f"{where}: expected a JSON object, got {type(obj).__name__}")
+    event = obj.get("event", "step")
+    if event == "finish":
+        if not isinstance(obj.get("request_id"), str):
+            raise TraceFormatError(f"{where}: finish line needs a string 'request_id'")
+        if isinstance(obj.get("time"), bool) or not isinstance(obj.get("time"), (int, float)):
+            raise TraceFormatError(f"{where}: finish line needs a number 'time'")
+        return TraceFinish(float(obj["time"]), obj["request_id"])
+    if event != "step":
+        raise TraceFormatError(f"{where}: unknown event {event!r} (expected 'step' or 'finish')")
+    for name in (*_INT_FIELDS, *_FLOAT_FIELDS, "request_id"):
+        if name not in obj:
+            raise TraceFormatError(f"{where}: missing field {name!r}")
+    for name in _INT_FIELDS:
+        if isinstance(obj[name], bool) or not isinstance(obj[name], int) or obj[name] < 0:
+            raise TraceFormatError(f"{where}: field {name!r} must be an integer >= 0, got {obj[name]!r}")
+    for name in _FLOAT_FIELDS:
+        if isinstance(obj[name], bool) or not isinstance(obj[name], (int, float)) or obj[name] < 0:
+            raise TraceFormatError(f"{where}: field {name!r} must be a number >= 0, got {obj[name]!r}")
+    if not isinstance(obj["request_id"], str):
+        raise TraceFormatError(f"{where}: field 'request_id' must be a string")
+    k, accepted, emitted = obj["k"], obj["accepted"], obj["emitted"]
+    if accepted > k or emitted > accepted + 1:
+        raise TraceFormatError(
+            f"{where}: need accepted <= k and emitted <= accepted + 1, "
+            f"got k={k}, accepted={accepted}, emitted={emitted}"
+        )
+    return TraceRecord(
+        obj["step"],
+        float(obj["time"]),
+        obj["request_id"],
+        k,
+        accepted,
+        emitted,
+        float(obj["propose_s"]),
+        float(obj["verify_s"]),
+        float(obj["sample_s"]),
+    )
+
+
+def read_trace(path: str | Path) -> list[TraceRecord | TraceFinish]:
+    """Parse a trace file; blank lines are skipped. Raises TraceFormatError naming the file and line."""
+    path = Path(path)
+    try:
+        with path.open(encoding="utf-8") as handle:
+            return [_parse_line(path, line_no, line) for line_no, line in enumerate(handle, start=1) if line.strip()]
+    except OSError as exc:
+        raise TraceFormatError(f"{path}: cannot read trace ({exc.strerror or exc})") from None
+    except UnicodeDecodeError as exc:
+        raise TraceFormatError(f"{path}: not UTF-8 text ({exc.reason})") from None
+
+
+class _Tally:
+    """Plain running counts for one window of the recount."""
+
+    def __init__(self, k_max: int) -> None:
+        self.k_max = k_max
+        self.drafts = self.draft_tokens = self.accepted = self.emitted = 0
+        self.nonspec_seq_steps = self.nonspec_tokens = 0
+        self.drafted_at = [0] * (k_max + 1)  # index j = position j; index 0 unused
+        self.reached_at = [0] * (k_max + 1)
+        self.accepted_at = [0] * (k_max + 1)
+        self.accepted_hist = [0] * (k_max + 1)
+        self.joint = [[0] * (k_max + 1) for _ in range(k_max + 1)]  # joint[k][a]; row 0 unused
+
+    def add(self, k: int, accepted: int, emitted: int) -> None:
+        if k == 0:
+            self.nonspec_seq_steps += 1
+            self.nonspec_tokens += emitted
+            return
+        self.drafts += 1
+        self.draft_tokens += k
+        self.accepted += accepted
+        self.emitted += emitted
+        self.accepted_hist[accepted] += 1
+        self.joint[k][accepted] += 1
+        for position in range(1, k + 1):
+            self.drafted_at[position] += 1
+            if accepted >= position - 1:
+                self.reached_at[position] += 1
+            if accepted >= position:
+                self.accepted_at[position] += 1
+
+    def counters(self) -> SpecCounters:
+        return SpecCounters(
+            self.k_max,
+            self.drafts,
+            self.draft_tokens,
+            self.accepted,
+            self.emitted,
+            self.nonspec_seq_steps,
+            self.nonspec_tokens,
+            tuple(self.drafted_at[1:]),
+            tuple(self.reached_at[1:]),
+            tuple(self.accepted_at[1:]),
+            tuple(self.accepted_hist),
+            tuple(tuple(row) for row in self.joint[1:]),
+        )
+
+
+def recount(records: Iterable[TraceRecord | TraceFinish], k_max: int) -> SpecMetricsSnapshot:
+    """Recompute a snapshot from trace lines alone.
+
+    Per-request aggregates cover the requests with a finish line, as in the recorder; requests still
+    running when the trace ends count in the totals only. Phase times are taken once per step.
+    Raises ValueError if a line's k exceeds k_max.
+    """
+    total = _Tally(k_max)
+    per_request: dict[str, _Tally] = {}
+    aggregates = PerRequestAggregates.zero(k_max)
+    step_times: dict[int, tuple[float, float, float]] = {}
+    spec_steps: set[int] = set()
+    for record in records:
+        if isinstance(record, TraceFinish):
+            tally = per_request.pop(record.request_id, None)
+            aggregates = aggregates.observe(tally.counters() if tally else SpecCounters.zero(k_max))
+            continue
+        if record.k > k_max:
+            raise ValueError(f"k_max: trace line for step {record.step} has k={record.k} > k_max={k_max}")
+        total.add(record.k, record.accepted, record.emitted)
+        per_request.setdefault(record.request_id, _Tally(k_max)).add(record.k, record.accepted, record.emitted)
+        step_times.setdefault(record.step, (record.propose_s, record.verify_s, record.sample_s))
+        if record.k > 0:
+            spec_steps.add(record.step)
+    totals = StepTotals(
+        steps=len(step_times),
+        spec_steps=len(spec_steps),
+        propose_s=sum(times[0] for times in step_times.values()),
+        verify_s=sum(times[1] for times in step_times.values()),
+        sample_s=sum(times[2] for times in step_times.values()),
+    )
+    return SpecMetricsSnapshot(total.counters(), totals, aggregates)

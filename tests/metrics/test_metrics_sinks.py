@@ -1,0 +1,279 @@
+"""Sinks: log line and periodic logger, Prometheus names and labels, JSONL trace, `specd stats` CLI, Grafana."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from specd.metrics import trace_cli
+from specd.metrics.log_sink import PREFIX, PeriodicLogger, format_log_line, parse_log_line
+from specd.metrics.prometheus_sink import PrometheusSink
+from specd.metrics.stats import SpecStatsRecorder, StepPhaseTimes
+from specd.metrics.trace import TraceFinish, TraceFormatError, TraceRecord, TraceSink, read_trace, recount
+
+TIMES = StepPhaseTimes(0.001, 0.02, 0.0005)
+REPO = Path(__file__).parents[2]
+
+
+def counts(*rows: tuple[int, int, int]) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.int64).T  # [3, num_seqs]
+
+
+def drive(recorder: SpecStatsRecorder) -> None:
+    """The worked example of docs/metrics.md."""
+    recorder.record_step(["X", "Y"], counts((1, 1, 2), (4, 0, 1)), TIMES)
+    recorder.record_step(["X", "Y"], counts((1, 1, 1), (4, 2, 3)), TIMES)
+    recorder.record_step(["Y"], counts((0, 0, 1)), TIMES)
+    recorder.finish_request("X")
+    recorder.finish_request("Y")
+
+
+# Log line ------------------------------------------------------------------------------------------
+def test_log_line_shape_and_exact_parse() -> None:
+    recorder = SpecStatsRecorder(k_max=4)
+    drive(recorder)
+    line = format_log_line(recorder.take_interval(), interval_s=10.0)
+    assert line.startswith(PREFIX) and "\n" not in line
+    assert "drafts=4 draft_tokens=10 accepted=4 emitted=7" in line
+    assert "acceptance_rate=0.4000 mean_accepted_len=1.0000 tau=2.0000" in line
+    assert "per_position_acceptance=[0.7500,0.5000,0.0000,0.0000] conditional=[0.7500,1.0000,0.0000,n/a]" in line
+    parsed = parse_log_line("INFO 12:00:00 engine.py:88] " + line)  # logger prefixes are skipped
+    assert parsed["accepted_at"] == [3, 1, 0, 0]
+    assert parsed["conditional"][3] is None
+    assert parsed["interval_s"] == 10.0
+    with pytest.raises(ValueError, match="not a speculation metrics line"):
+        parse_log_line("INFO something else")
+
+
+def test_log_line_with_k_max_zero_and_no_drafts() -> None:
+    recorder = SpecStatsRecorder(k_max=0)
+    recorder.record_step(["r"], counts((0, 0, 1)), TIMES)
+    parsed = parse_log_line(format_log_line(recorder.snapshot()))
+    assert parsed["per_position_acceptance"] == [] and parsed["acceptance_rate"] is None
+    assert parsed["tokens_per_forward"] == 1.0
+
+
+def test_periodic_logger_logs_once_per_interval_and_only_if_something_happened(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    recorder = SpecStatsRecorder(k_max=4)
+    logger = logging.getLogger("specd.test.metrics")
+    periodic = PeriodicLogger(recorder, interval_s=5.0, logger=logger)
+    with caplog.at_level(logging.INFO, logger="specd.test.metrics"):
+        assert periodic.maybe_log(100.0) is None  # starts the clock
+        drive(recorder)
+        assert periodic.maybe_log(104.9) is None
+        line = periodic.maybe_log(105.0)
+        assert line is not None and parse_log_line(line)["drafts"] == 4
+        assert periodic.maybe_log(111.0) is None  # nothing happened in (105, 111]
+        recorder.record_step(["Z"], counts((2, 2, 3)), TIMES)
+        second = periodic.maybe_log(116.5)
+    assert second is not None and parse_log_line(second)["accepted"] == 2
+    assert parse_log_line(second)["interval_s"] == pytest.approx(5.5)
+    assert [r.getMessage() for r in caplog.records] == [line, second]
+    with pytest.raises(ValueError, match="interval_s"):
+        PeriodicLogger(recorder, interval_s=0.0, logger=logger)
+
+
+# Prometheus ----------------------------------------------------------------------------------------
+def exposition(registry: CollectorRegistry) -> dict[str, str]:
+    return {family.name: family.type for family in text_string_to_metric_families(generate_latest(registry).decode())}
+
+
+def test_prometheus_families_types_and_shared_registry() -> None:
+    registry = CollectorRegistry()
+    server_metric = Counter("specd_requests", "Requests served by the server.", registry=registry)
+    server_metric.inc()
+    sink = PrometheusSink(registry, k_max=4, model="smol", proposer="ngram")
+    recorder = SpecStatsRecorder(k_max=4, sinks=[sink])
+    drive(recorder)
+    families = exposition(registry)
+    for name in (
+        "drafts",
+        "draft_tokens",
+        "accepted_tokens",
+        "emitted_tokens",
+        "steps",
+        "spec_steps",
+        "nonspec_seq_steps",
+        "nonspec_tokens",
+        "drafted_at_position",
+        "reached_at_position",
+        "accepted_at_position",
+    ):
+        assert families[f"specd_spec_decode_{name}"] == "counter"
+    for name in ("accepted_length", "request_mean_acceptance_length", "phase_seconds"):
+        assert families[f"specd_spec_decode_{name}"] == "histogram"
+    assert families["specd_requests"] == "counter"
+    assert not any(name.startswith("vllm:") for name in families)
+    text = generate_latest(registry).decode()
+    assert 'specd_spec_decode_drafts_total{model="smol",proposer="ngram"} 4.0' in text
+    assert 'specd_spec_decode_accepted_at_position_total{model="smol",position="2",proposer="ngram"} 1.0' in text
+    # A second sink in the same registry would collide: the registry's duplicate check catches it.
+    with pytest.raises(ValueError, match="Duplicated"):
+        PrometheusSink(registry, k_max=4, model="smol", proposer="ngram")
+
+
+def test_prometheus_vllm_compat_names_labels_and_zero_based_position() -> None:
+    registry = CollectorRegistry()
+    recorder = SpecStatsRecorder(k_max=4, sinks=[PrometheusSink(registry, 4, "smol", "ngram", vllm_compat=True)])
+    drive(recorder)
+    text = generate_latest(registry).decode()
+    assert 'vllm:spec_decode_num_drafts_total{engine="0",model_name="smol"} 4.0' in text
+    assert 'vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="smol"} 10.0' in text
+    assert 'vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="smol"} 4.0' in text
+    # vLLM position 0 is our position 1 (accepted_at = [3, 1, 0, 0]).
+    assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="smol",position="0"} 3.0' in text
+    assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="smol",position="1"} 1.0' in text
+    assert exposition(registry)["vllm:spec_decode_num_drafts"] == "counter"
+
+
+def test_prometheus_rejects_bad_buckets() -> None:
+    with pytest.raises(ValueError, match="phase_buckets"):
+        PrometheusSink(CollectorRegistry(), 4, "m", "p", phase_buckets=(0.1, 0.01))
+
+
+# Trace ---------------------------------------------------------------------------------------------
+def write_trace(path: Path) -> SpecStatsRecorder:
+    with TraceSink(path) as sink:
+        recorder = SpecStatsRecorder(k_max=4, sinks=[sink])
+        drive(recorder)
+    return recorder
+
+
+def test_trace_lines_and_recount(tmp_path: Path) -> None:
+    path = tmp_path / "trace.jsonl"
+    recorder = write_trace(path)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(lines) == 7  # 5 (step, request) lines + 2 finish lines
+    assert lines[1]["request_id"] == "Y" and (lines[1]["k"], lines[1]["accepted"], lines[1]["emitted"]) == (4, 0, 1)
+    assert lines[1]["verify_s"] == TIMES.verify_s and lines[1]["step"] == 0
+    assert lines[-1]["event"] == "finish" and lines[-1]["request_id"] == "Y"
+    records = read_trace(path)
+    assert isinstance(records[0], TraceRecord) and isinstance(records[-1], TraceFinish)
+    assert recount(records, 4).counters == recorder.snapshot().counters
+    with pytest.raises(ValueError, match="k_max"):
+        recount(records, 3)
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ('{"step": 0}\nnot json\n', r"trace\.jsonl:1: missing field"),
+        ("[1, 2]\n", r"trace\.jsonl:1: expected a JSON object"),
+        ('\n{"event": "finish", "time": 1.0, "request_id": "a"}\n{oops\n', r"trace\.jsonl:3: not valid JSON"),
+        ('{"event": "flush"}\n', "unknown event"),
+        (
+            '{"step":0,"time":1,"request_id":"a","k":2,"accepted":3,"emitted":1,"propose_s":0,"verify_s":0,'
+            '"sample_s":0}\n',
+            "accepted <= k",
+        ),
+        (
+            '{"step":0,"time":1,"request_id":"a","k":"2","accepted":0,"emitted":1,"propose_s":0,"verify_s":0,'
+            '"sample_s":0}\n',
+            "'k' must be an integer",
+        ),
+    ],
+)
+def test_read_trace_names_file_and_line(tmp_path: Path, content: str, message: str) -> None:
+    path = tmp_path / "trace.jsonl"
+    path.write_text(content)
+    with pytest.raises(TraceFormatError, match=message):
+        read_trace(path)
+
+
+# CLI -----------------------------------------------------------------------------------------------
+def test_cli_table_and_chart(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "trace.jsonl"
+    write_trace(path)
+    assert trace_cli.main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"drafts\s+4\n", out) and re.search(r"accepted_tokens\s+4\n", out)
+    assert re.search(r"acceptance_rate\s+0\.4000\s+0\.6250", out)  # pooled, then mean per request
+    assert "j=2" in out and "█" in out and "(1/2, 1/1)" in out
+
+
+def test_cli_json_equals_recount(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "trace.jsonl"
+    recorder = write_trace(path)
+    assert trace_cli.main([str(path), "--json", "--k-max", "4"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["counters"]["accepted_at"] == [3, 1, 0, 0]
+    assert data["counters"]["drafts"] == recorder.snapshot().counters.drafts
+    assert data["derived"]["conditional_acceptance_pooled"][3] is None
+
+
+@pytest.mark.parametrize(
+    ("argv_tail", "content", "message"),
+    [
+        ([], None, "cannot read trace"),
+        ([], '{"step": 0}\n', "trace.jsonl:1: missing field"),
+        (["--k-max", "2"], "ok", "--k-max 2 is smaller than the largest k"),
+    ],
+)
+def test_cli_bad_input_exits_2_without_traceback(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv_tail: list[str], content: str | None, message: str
+) -> None:
+    path = tmp_path / "trace.jsonl"
+    if content == "ok":
+        write_trace(path)
+    elif content is not None:
+        path.write_text(content)
+    assert trace_cli.main([str(path), *argv_tail]) == 2
+    err = capsys.readouterr().err
+    assert message in err and str(path) in err and "Traceback" not in err
+
+
+def test_cli_bad_option_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert trace_cli.main(["--k-max", "x", "file"]) == 2
+    assert "invalid int value" in capsys.readouterr().err
+
+
+def test_cli_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path, png = tmp_path / "trace.jsonl", tmp_path / "out.png"
+    write_trace(path)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert trace_cli.main([str(path), "--plot", str(png)]) == 2
+        assert "needs matplotlib" in capsys.readouterr().err
+    else:
+        assert trace_cli.main([str(path), "--plot", str(png)]) == 0
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bar_rendering() -> None:
+    assert trace_cli.bar(1.0, width=4) == "████"
+    assert trace_cli.bar(0.0, width=4) == "    "
+    assert trace_cli.bar(None, width=4) == "    "
+    assert trace_cli.bar(0.5625, width=2) == "█▏"
+
+
+# Grafana -------------------------------------------------------------------------------------------
+def test_grafana_dashboard_is_valid_and_queries_exported_metrics() -> None:
+    dashboard = json.loads((REPO / "docs/grafana/specd.json").read_text())
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    registry = CollectorRegistry()
+    drive(SpecStatsRecorder(k_max=4, sinks=[PrometheusSink(registry, 4, "m", "ngram")]))
+    exported = {
+        sample.name
+        for family in text_string_to_metric_families(generate_latest(registry).decode())
+        for sample in family.samples
+    }
+    exprs = [target["expr"] for panel in dashboard["panels"] for target in panel.get("targets", [])]
+    assert len(exprs) >= 8
+    used = {name for expr in exprs for name in re.findall(r"specd_spec_decode_\w+", expr)}
+    assert used and used <= exported, used - exported
+    titles = " ".join(panel["title"].lower() for panel in dashboard["panels"])
+    for topic in ("acceptance rate", "tau", "accepted length", "per-position", "conditional", "heatmap", "phase"):
+        assert topic in titles, topic
+    ids = [panel["id"] for panel in dashboard["panels"]]
+    assert len(ids) == len(set(ids))
