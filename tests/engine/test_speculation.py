@@ -1,0 +1,232 @@
+"""Speculation inside the engine: lossless for greedy and sampled decoding, with k varying per sequence."""
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from specd.config import EngineConfig, SpeculationConfig
+from specd.llm import LLM
+from specd.model.attention import ForwardBatch
+from specd.sampling.params import SamplingParams, SpecOverride
+from specd.spec.draft import DraftModelProposer
+from specd.spec.proposer import Proposal
+from specd.testing import tiny_hf_config_dict, tiny_specd_model
+
+PROMPTS = ["hello world, hello world, hello", "abcabcabcabc", "the quick brown fox jumps over the lazy dog. the quick",
+           "Zebra", "x = 1; y = 2; x = 1; y ="]
+GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def draft_model():
+    # A deliberately different model (other weights) with the same vocabulary.
+    return tiny_specd_model(tiny_hf_config_dict(), seed=7, dtype=torch.float64)
+
+
+def _plain(make_llm, prompts=PROMPTS, params=GREEDY):
+    return [o.outputs[0].token_ids for o in make_llm().generate(prompts, params)]
+
+
+def _spec(method, k, policy, **extra):
+    return SpeculationConfig(method=method, num_speculative_tokens=k, k_policy=policy, **extra)
+
+
+@pytest.mark.parametrize("k", [1, 3, 6])
+@pytest.mark.parametrize(
+    ("method", "policy"),
+    [("ngram", "fixed"), ("ngram", "heuristic"), ("layerskip", "fixed"), ("layerskip", "heuristic"),
+     ("layerskip", "confidence"), ("draft", "fixed"), ("draft", "heuristic"), ("draft", "confidence")],
+)
+def test_greedy_lossless_every_proposer_and_policy(make_llm, tiny_model, draft_model, method, policy, k):
+    plain = _plain(make_llm)
+    proposer = None
+    if method == "draft":
+        proposer = DraftModelProposer(draft_model, "draft", 8, 256,
+                                      confidence_threshold=0.3 if policy == "confidence" else None)
+        spec = _spec("layerskip", k, policy, draft_layers=1)  # method only enables speculation; proposer injected
+    else:
+        spec = _spec(method, k, policy, draft_layers=1, confidence_threshold=0.3)
+    llm = make_llm(spec, proposer=proposer, max_num_seqs=4)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    metrics = llm.get_metrics()
+    assert metrics["counters"]["drafts"] > 0
+
+
+def test_self_draft_accepts_everything(make_llm, tiny_model):
+    for params in (GREEDY, SamplingParams(max_tokens=30, temperature=1.0, seed=3, ignore_eos=True)):
+        proposer = DraftModelProposer(tiny_model, "self", 8, 256)
+        llm = make_llm(_spec("layerskip", 4, "fixed"), proposer=proposer)
+        out = llm.generate(PROMPTS[:3], params)
+        for o in out:
+            s = o.spec_stats
+            assert s.drafts > 0
+            assert s.accepted_tokens == s.draft_tokens
+
+
+class RandomProposer:
+    """Adversarial: proposes random tokens, so the target rejects almost all of them."""
+
+    name = "random"
+
+    def __init__(self, vocab: int) -> None:
+        self.rng = random.Random(0)
+        self.vocab = vocab
+
+    def propose(self, seqs, num_draft_tokens):
+        return Proposal([[self.rng.randrange(self.vocab) for _ in range(k)] for k in num_draft_tokens], None)
+
+    def release(self, seq_id):
+        pass
+
+
+def test_adversarial_draft_accepts_almost_nothing_and_stays_correct(make_llm):
+    llm = make_llm(_spec("ngram", 5, "fixed"), proposer=RandomProposer(320), max_num_seqs=4)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == _plain(make_llm)
+    m = llm.get_metrics()["counters"]
+    assert m["draft_tokens"] > 500
+    assert m["accepted_tokens"] / m["draft_tokens"] < 0.05
+
+
+def test_k_zero_and_k_max_in_the_same_step(make_llm, tiny_model):
+    proposer = DraftModelProposer(tiny_model, "self", 8, 256)
+    llm = make_llm(_spec("layerskip", 5, "fixed"), proposer=proposer, max_num_seqs=4)
+    params = [
+        SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, spec_detail=True),
+        SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, spec_detail=True,
+                       speculation=SpecOverride(enabled=False)),
+        SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, spec_detail=True,
+                       speculation=SpecOverride(num_speculative_tokens=2)),
+    ]
+    outs = llm.generate(PROMPTS[:3], params)
+    assert [o.outputs[0].token_ids for o in outs] == _plain(make_llm, PROMPTS[:3], params[0])
+    ks = [{step.k for step in o.spec_stats.steps} for o in outs]
+    assert 5 in ks[0] and ks[1] == {0} and max(ks[2]) == 2
+    assert outs[1].spec_stats.drafts == 0
+
+
+def _fresh_kv(model, tokens, num_layers=None):
+    cache = model.make_cache(1, 256, num_layers=num_layers)
+    slot = cache.allocate()
+    cache.reserve(len(tokens))
+    model(ForwardBatch.build([tokens], [slot], [0], [[len(tokens) - 1]]), cache, num_layers=num_layers)
+    return cache, slot
+
+
+def test_rollback_leaves_state_equal_to_fresh_prefill(make_llm, tiny_model, draft_model):
+    proposer = DraftModelProposer(draft_model, "draft", 8, 256)
+    llm = make_llm(_spec("layerskip", 4, "heuristic"), proposer=proposer, max_num_seqs=4)
+    for p in PROMPTS[:3]:
+        llm.add_request(p, SamplingParams(max_tokens=200, temperature=0.8, seed=5, ignore_eos=True))
+    for _ in range(12):
+        llm.step()
+    m = llm.get_metrics()["counters"]
+    assert 0 < m["accepted_tokens"] < m["draft_tokens"]  # a mix of accepts and rejects happened
+    engine = llm.engine
+    for seq in engine.scheduler.running:
+        tokens = seq.token_ids
+        assert seq.num_computed == len(tokens) - 1
+        n = seq.num_computed
+        assert engine.cache.seq_lens[seq.slot] == n
+        ref, rslot = _fresh_kv(tiny_model, tokens[:n])
+        for layer in range(tiny_model.config.num_layers):
+            torch.testing.assert_close(engine.cache.keys[layer][seq.slot, :, :n], ref.keys[layer][rslot, :, :n])
+            torch.testing.assert_close(engine.cache.values[layer][seq.slot, :, :n], ref.values[layer][rslot, :, :n])
+        # The draft model's cache, for the prefix it says it holds, equals a fresh prefill of those tokens.
+        cached = proposer._cached[seq.seq_id]
+        dslot = proposer._slots[seq.seq_id]
+        c = len(cached)
+        dref, dslot_ref = _fresh_kv(draft_model, cached)
+        for layer in range(draft_model.config.num_layers):
+            torch.testing.assert_close(proposer.cache.keys[layer][dslot, :, :c], dref.keys[layer][dslot_ref, :, :c])
+
+
+def test_stop_inside_accepted_run_truncates(make_llm, tiny_model):
+    plain = _plain(make_llm, PROMPTS[:1])[0]
+    stop_id = plain[9]
+    expected = plain[: plain.index(stop_id) + 1]
+    proposer = DraftModelProposer(tiny_model, "self", 8, 256)  # accepts everything: stop falls inside a run
+    llm = make_llm(_spec("layerskip", 6, "fixed"), proposer=proposer)
+    out = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=[stop_id],
+                                                   spec_detail=True))[0]
+    assert out.outputs[0].token_ids == expected
+    assert out.outputs[0].finish_reason == "stop"
+    last = out.spec_stats.steps[-1]
+    assert last.emitted < last.accepted + 1  # the verifier accepted more than was emitted
+    assert out.spec_stats.emitted_tokens < out.spec_stats.accepted_tokens + out.spec_stats.drafts
+
+
+# ------------------------------------------------------------------ sampled losslessness (chi-square)
+VOCAB = 8
+
+
+@pytest.fixture(scope="module")
+def tiny_vocab_models():
+    cfg = tiny_hf_config_dict(vocab_size=VOCAB)
+    target = tiny_specd_model(cfg, seed=11, dtype=torch.float64)
+    draft = tiny_specd_model(cfg, seed=12, dtype=torch.float64)
+    return target, draft
+
+
+def _exact_dist_of_tokens_2_and_3(model, prompt, temperature):
+    """P(t2, t3) = sum_t1 p(t1) p(t2 | t1) p(t3 | t1, t2), computed exactly from the target's logits."""
+
+    def probs(tokens):
+        c = model.make_cache(1, 64)
+        s = c.allocate()
+        c.reserve(len(tokens))
+        logits = model(ForwardBatch.build([tokens], [s], [0], [[len(tokens) - 1]]), c)[0]
+        return torch.softmax(logits / temperature, -1).numpy()
+
+    p1 = probs(prompt)
+    joint = np.zeros((VOCAB, VOCAB))
+    for t1 in range(VOCAB):
+        p2 = probs([*prompt, t1])
+        for t2 in range(VOCAB):
+            joint[t2] += p1[t1] * p2[t2] * probs([*prompt, t1, t2])
+    return joint.reshape(-1)
+
+
+@pytest.mark.parametrize("method", ["draft", "layerskip", "broken-residual"])
+def test_sampled_speculation_matches_target_distribution(tiny_vocab_models, method, monkeypatch):
+    """Chi-square at significance 0.001. The "broken-residual" case samples corrections from p instead of
+    norm(max(0, p - q)) and must be caught by the same test: proof that the test has power."""
+    if method == "broken-residual":
+        from specd.sampling import rejection
+
+        monkeypatch.setattr(rejection, "_correction_probs", lambda target, draft: target)
+    target, draft = tiny_vocab_models
+    prompt = [1, 5, 3, 6]
+    temperature = 0.9
+    expected = _exact_dist_of_tokens_2_and_3(target, prompt, temperature)
+    # Sanity: the draft really is a different distribution.
+    assert not np.allclose(_exact_dist_of_tokens_2_and_3(draft, prompt, temperature), expected, atol=0.02)
+    proposer = (DraftModelProposer(target, "layerskip", 64, 64, num_layers=1) if method == "layerskip"
+                else DraftModelProposer(draft, "draft", 64, 64))
+    cfg = EngineConfig(speculation=SpeculationConfig(method="layerskip", num_speculative_tokens=3, draft_layers=1),
+                       max_num_seqs=64, max_model_len=64)
+    llm = LLM.from_model(target, None, cfg, proposer=proposer)
+    # Token 1 comes from the prefill step; tokens 2 and 3 from a speculative step (k = 1: d_1 verified, then
+    # the correction or the bonus), so their joint distribution is what speculation must preserve.
+    n = 4000
+    params = [SamplingParams(max_tokens=3, temperature=temperature, seed=i, ignore_eos=True) for i in range(n)]
+    outs = llm.generate(prompt_token_ids=[prompt] * n, sampling_params=params)
+    counts = np.zeros(VOCAB * VOCAB)
+    for o in outs:
+        _, t2, t3 = o.outputs[0].token_ids
+        counts[t2 * VOCAB + t3] += 1
+    m = llm.get_metrics()["counters"]
+    assert 0 < m["accepted_tokens"] < m["draft_tokens"]  # both branches of the rule were exercised
+    exp = expected * n
+    keep = exp >= 5  # pool rare cells so the chi-square approximation holds
+    obs_k = np.append(counts[keep], counts[~keep].sum())
+    exp_k = np.append(exp[keep], exp[~keep].sum())
+    _, pvalue = chisquare(obs_k, exp_k)
+    if method == "broken-residual":
+        assert pvalue < 0.001, f"the test failed to catch a wrong residual (p={pvalue:.2e})"
+    else:
+        assert pvalue > 0.001, f"speculative samples differ from the target distribution (p={pvalue:.2e})"
