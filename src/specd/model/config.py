@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,5 +117,74 @@ class ModelArchConfig:
             qk_norm=model_type == "qwen3",
             model_type=model_type,
             bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    @staticmethod
+    def from_gguf_metadata(
+        metadata: Mapping[str, Any],
+        *,
+        tie_word_embeddings: bool,
+        qkv_bias: bool = False,
+        qk_norm: bool = False,
+    ) -> ModelArchConfig:
+        """Build from GGUF metadata (llama.cpp key names, `{arch}.block_count` etc.).
+
+        Facts that GGUF states only through which tensors exist (a tied head, q/k/v biases, q/k norms) are
+        passed by the loader, which has the tensor table.
+        """
+        arch = str(metadata.get("general.architecture", ""))
+        if arch not in SUPPORTED_MODEL_TYPES:
+            raise ModelLoadError(
+                f"general.architecture: {arch!r} is not a supported Llama-family architecture "
+                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+            )
+
+        def field(key: str, default: Any = None) -> Any:
+            value = metadata.get(f"{arch}.{key}", default)
+            if value is None:
+                raise ModelLoadError(f"{arch}.{key}: missing from the GGUF metadata")
+            return value
+
+        hidden = int(field("embedding_length"))
+        num_heads = int(field("attention.head_count"))
+        head_dim = int(field("attention.key_length", hidden // num_heads))
+        rotary_dim = int(field("rope.dimension_count", head_dim))
+        if rotary_dim != head_dim:
+            raise ModelLoadError(
+                f"{arch}.rope.dimension_count: partial rotary ({rotary_dim} of head_dim {head_dim}) "
+                "is not supported"
+            )
+        scaling_kind = str(field("rope.scaling.type", "none"))
+        if scaling_kind == "none":
+            scaling = RopeScaling()
+        elif scaling_kind == "linear":
+            scaling = RopeScaling(kind="linear", factor=float(field("rope.scaling.factor")))
+        else:
+            raise ModelLoadError(f"{arch}.rope.scaling.type: unsupported RoPE scaling {scaling_kind!r}")
+        tokens = metadata.get("tokenizer.ggml.tokens")
+        vocab_size = len(tokens) if isinstance(tokens, list) else int(field("vocab_size"))
+        # llama.cpp keeps several end-of-generation ids; a chat model may emit any of them.
+        eos_keys = ("eos_token_id", "eot_token_id", "eom_token_id")
+        eos_ids = tuple(dict.fromkeys(int(metadata[f"tokenizer.ggml.{k}"]) for k in eos_keys
+                                      if f"tokenizer.ggml.{k}" in metadata))
+        bos = metadata.get("tokenizer.ggml.bos_token_id")
+        return ModelArchConfig(
+            vocab_size=vocab_size,
+            hidden_size=hidden,
+            intermediate_size=int(field("feed_forward_length")),
+            num_layers=int(field("block_count")),
+            num_heads=num_heads,
+            num_kv_heads=int(field("attention.head_count_kv", num_heads)),
+            head_dim=head_dim,
+            rms_norm_eps=float(field("attention.layer_norm_rms_epsilon", 1e-5)),
+            rope_theta=float(field("rope.freq_base", 10000.0)),
+            rope_scaling=scaling,
+            max_position_embeddings=int(field("context_length", 2048)),
+            tie_word_embeddings=tie_word_embeddings,
+            qkv_bias=qkv_bias,
+            qk_norm=qk_norm,
+            model_type=arch,
+            bos_token_id=None if bos is None else int(bos),
             eos_token_ids=eos_ids,
         )
