@@ -11,6 +11,8 @@ from __future__ import annotations
 import argparse
 import gc
 import sys
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -49,12 +51,28 @@ def specd_generate(llm: LLM, prompts: list[str], max_tokens: int) -> int:
     return sum(len(o.outputs[0].token_ids) for o in outs)
 
 
-def best_rate(fn: object, repeats: int) -> float:
+def best_rate(fn: Callable[[], int], repeats: int) -> float:
     rates = []
     for _ in range(repeats):
-        n, s = timed(fn)  # type: ignore[arg-type]
+        n, s = timed(fn)
         rates.append(n / s)
     return max(rates)
+
+
+def measure_transformers(dtype: torch.dtype, max_tokens: int, repeats: int) -> tuple[float, float]:
+    hf, tok = load_transformers(dtype)
+    hf_generate(hf, tok, PROMPTS[:1], 4)  # warm-up
+    b1 = best_rate(partial(hf_generate, hf, tok, PROMPTS[:1], max_tokens), repeats)
+    b8 = best_rate(partial(hf_generate, hf, tok, PROMPTS, max_tokens), repeats)
+    return b1, b8
+
+
+def measure_specd(dtype_name: str, max_tokens: int, repeats: int) -> tuple[float, float]:
+    llm = LLM("default", dtype=dtype_name, max_num_seqs=8)
+    specd_generate(llm, PROMPTS[:1], 4)
+    b1 = best_rate(partial(specd_generate, llm, PROMPTS[:1], max_tokens), repeats)
+    b8 = best_rate(partial(specd_generate, llm, PROMPTS, max_tokens), repeats)
+    return b1, b8
 
 
 def main() -> None:
@@ -66,17 +84,9 @@ def main() -> None:
     rows = []
     for dtype_name in args.dtypes:
         dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype_name]
-        hf, tok = load_transformers(dtype)
-        hf_generate(hf, tok, PROMPTS[:1], 4)  # warm-up
-        hf1 = best_rate(lambda: hf_generate(hf, tok, PROMPTS[:1], args.max_tokens), args.repeats)
-        hf8 = best_rate(lambda: hf_generate(hf, tok, PROMPTS, args.max_tokens), args.repeats)
-        del hf
+        hf1, hf8 = measure_transformers(dtype, args.max_tokens, args.repeats)
         gc.collect()
-        llm = LLM("default", dtype=dtype_name, max_num_seqs=8)
-        specd_generate(llm, PROMPTS[:1], 4)
-        s1 = best_rate(lambda: specd_generate(llm, PROMPTS[:1], args.max_tokens), args.repeats)
-        s8 = best_rate(lambda: specd_generate(llm, PROMPTS, args.max_tokens), args.repeats)
-        del llm
+        s1, s8 = measure_specd(dtype_name, args.max_tokens, args.repeats)
         gc.collect()
         rows.append([dtype_name, hf1, s1, s1 / hf1, hf8, s8, s8 / hf8, s8 / s1])
         print(f"{dtype_name}: hf b1 {hf1:.1f}  specd b1 {s1:.1f}  hf b8 {hf8:.1f}  specd b8 {s8:.1f}", file=sys.stderr)
