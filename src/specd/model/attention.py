@@ -70,6 +70,7 @@ class AttentionMetadata:
     max_new: int  # padded query length
     pad_index: torch.Tensor | None  # [num_tokens] flat index into [num_seqs * max_new]; None if no padding
     mask: torch.Tensor | None  # [num_seqs, 1, max_new, kv_len] bool, True = attend; None = attend all
+    additive_mask: torch.Tensor | None  # [num_seqs, 1, 1, max_new, kv_len] float32, 0 or -inf (grouped path)
 
     @staticmethod
     def build(batch: ForwardBatch) -> AttentionMetadata:
@@ -98,6 +99,10 @@ class AttentionMetadata:
             # dropped afterwards, so no row is fully masked (which would give NaN).
             limit = torch.minimum(query_pos, torch.tensor(totals).unsqueeze(1) - 1)  # [num_seqs, max_new]
             mask = (key_pos.view(1, 1, kv_len) <= limit.unsqueeze(2)).unsqueeze(1)
+        additive_mask = None
+        if mask is not None and max_new <= GROUPED_MAX_NEW:
+            additive_mask = torch.zeros(mask.shape, dtype=torch.float32).masked_fill_(~mask, float("-inf"))
+            additive_mask = additive_mask.unsqueeze(1)
         return AttentionMetadata(
             write_slots=write_slots,
             write_positions=batch.positions,
@@ -107,7 +112,35 @@ class AttentionMetadata:
             max_new=max_new,
             pad_index=pad_index,
             mask=mask,
+            additive_mask=additive_mask,
         )
+
+
+# Up to this many new tokens per sequence (decode, verification) attention runs as two batched matmuls with the
+# query heads grouped per KV head; torch's CPU flash kernel has a large fixed cost for a handful of queries.
+# Longer prefill chunks use scaled_dot_product_attention.
+GROUPED_MAX_NEW = 32
+
+
+def _grouped_attention(
+    q: torch.Tensor,  # [num_seqs, num_heads, max_new, head_dim]
+    keys: torch.Tensor,  # [num_seqs, num_kv_heads, kv_len, head_dim]
+    values: torch.Tensor,  # [num_seqs, num_kv_heads, kv_len, head_dim]
+    additive_mask: torch.Tensor | None,  # [num_seqs, 1, 1, max_new, kv_len] float32
+) -> torch.Tensor:  # [num_seqs, max_new, num_heads, head_dim]
+    num_seqs, num_heads, max_new, head_dim = q.shape
+    num_kv_heads, kv_len = keys.shape[1], keys.shape[2]
+    group = num_heads // num_kv_heads
+    # Head h reads KV head h // group (the repeat_kv convention), so heads are grouped contiguously.
+    qg = q.reshape(num_seqs, num_kv_heads, group * max_new, head_dim)
+    scores = torch.matmul(qg, keys.transpose(-1, -2))  # [num_seqs, num_kv_heads, group * max_new, kv_len]
+    scores = scores.to(torch.promote_types(scores.dtype, torch.float32))  # softmax in >= float32
+    scores = scores.view(num_seqs, num_kv_heads, group, max_new, kv_len) * (head_dim**-0.5)
+    if additive_mask is not None:
+        scores = scores + additive_mask
+    probs = torch.softmax(scores, dim=-1).to(values.dtype).view(num_seqs, num_kv_heads, group * max_new, kv_len)
+    out = torch.matmul(probs, values)  # [num_seqs, num_kv_heads, group * max_new, head_dim]
+    return out.view(num_seqs, num_heads, max_new, head_dim).transpose(1, 2)
 
 
 def paged_attention(
@@ -139,8 +172,12 @@ def paged_attention(
         padded[meta.pad_index] = query
         q = padded.view(num_seqs, meta.max_new, num_heads, head_dim).transpose(1, 2)
     # q: [num_seqs, num_heads, max_new, head_dim]
-    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=meta.mask, enable_gqa=True)
-    out = out.transpose(1, 2).reshape(num_seqs * meta.max_new, num_heads * head_dim)
+    if meta.max_new <= GROUPED_MAX_NEW:
+        out = _grouped_attention(q, keys, values, meta.additive_mask)  # [num_seqs, max_new, num_heads, head_dim]
+        out = out.reshape(num_seqs * meta.max_new, num_heads * head_dim)
+    else:
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=meta.mask, enable_gqa=True)
+        out = out.transpose(1, 2).reshape(num_seqs * meta.max_new, num_heads * head_dim)
     if meta.pad_index is not None:
         out = out[meta.pad_index]
     return out

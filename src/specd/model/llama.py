@@ -21,6 +21,36 @@ from specd.model.config import ModelArchConfig, RopeScaling
 from specd.model.kv_cache import KVCache
 
 
+class Linear(nn.Module):
+    """y = x W^T + b, with W stored [out, in] as in Hugging Face checkpoints until `pack()`.
+
+    `pack()` re-lays float32/float64 weights out as [in, out]: on CPU, MKL's small-M float32 GEMM streams that
+    layout ~1.4x faster (decode and verification are small-M), while bfloat16 is fastest as is.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        self.transposed = False
+
+    def pack(self) -> None:
+        if self.transposed or self.weight.dtype not in (torch.float32, torch.float64):
+            return
+        self.weight = nn.Parameter(self.weight.detach().t().contiguous(), requires_grad=False)
+        self.transposed = True
+
+    @property
+    def hf_weight(self) -> torch.Tensor:  # [out_features, in_features]
+        return self.weight.t() if self.transposed else self.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in] -> [num_tokens, out]
+        if not self.transposed:
+            return F.linear(x, self.weight, self.bias)
+        y = x @ self.weight
+        return y if self.bias is None else y + self.bias
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -93,13 +123,13 @@ class DecoderLayer(nn.Module):
         self.q_size = config.num_heads * config.head_dim
         self.kv_size = config.num_kv_heads * config.head_dim
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(
         self,
@@ -135,10 +165,22 @@ class LlamaForCausalLM(nn.Module):
             None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         self.rotary = Rotary(config, max_positions or config.max_position_embeddings)
+        self.lm_head_t: torch.Tensor | None = None  # [hidden_size, vocab_size] after pack() (float32/64)
 
     @property
     def lm_head_weight(self) -> torch.Tensor:  # [vocab_size, hidden_size]
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def pack(self) -> None:
+        """Lay weights out for fast small-M matmuls on CPU (see Linear.pack). Call after loading and casting.
+
+        For float32/64 the LM head gets a transposed copy (with tied embeddings the lookup table stays too).
+        """
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack()
+        if self.lm_head_weight.dtype in (torch.float32, torch.float64):
+            self.lm_head_t = self.lm_head_weight.detach().t().contiguous()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -173,7 +215,7 @@ class LlamaForCausalLM(nn.Module):
         for layer in layers:
             hidden = layer(hidden, batch.positions, self.rotary, cache, meta)
         hidden = self.norm(hidden[batch.logits_indices])  # [num_logit_rows, hidden_size]
-        logits = F.linear(hidden, self.lm_head_weight)
+        logits = hidden @ self.lm_head_t if self.lm_head_t is not None else F.linear(hidden, self.lm_head_weight)
         # float64 models (tests) keep float64 logits so near-ties cannot flip; others compute in float32.
         return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
@@ -199,19 +241,19 @@ class LlamaForCausalLM(nn.Module):
                 a = p + "self_attn."
                 qkv = [take(a + f"{n}_proj.weight") for n in "qkv"]
                 if not missing:
-                    layer.qkv_proj.weight.copy_(torch.cat(qkv, 0))
+                    layer.qkv_proj.hf_weight.copy_(torch.cat(qkv, 0))
                 if c.qkv_bias:
                     biases = [take(a + f"{n}_proj.bias") for n in "qkv"]
                     if not missing and layer.qkv_proj.bias is not None:
                         layer.qkv_proj.bias.copy_(torch.cat(biases, 0))
-                layer.o_proj.weight.copy_(take(a + "o_proj.weight"))
+                layer.o_proj.hf_weight.copy_(take(a + "o_proj.weight"))
                 if layer.q_norm is not None and layer.k_norm is not None:
                     layer.q_norm.weight.copy_(take(a + "q_norm.weight"))
                     layer.k_norm.weight.copy_(take(a + "k_norm.weight"))
                 gate, up = take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")
                 if not missing:
-                    layer.gate_up_proj.weight.copy_(torch.cat([gate, up], 0))
-                layer.down_proj.weight.copy_(take(p + "mlp.down_proj.weight"))
+                    layer.gate_up_proj.hf_weight.copy_(torch.cat([gate, up], 0))
+                layer.down_proj.hf_weight.copy_(take(p + "mlp.down_proj.weight"))
                 layer.input_layernorm.weight.copy_(take(p + "input_layernorm.weight"))
                 layer.post_attention_layernorm.weight.copy_(take(p + "post_attention_layernorm.weight"))
                 if missing:
@@ -228,19 +270,19 @@ class LlamaForCausalLM(nn.Module):
             out["lm_head.weight"] = self.lm_head.weight
         for i, layer in enumerate(self.layers):
             p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
-            for n, w in zip("qkv", layer.qkv_proj.weight.split([q_size, kv_size, kv_size])):
+            for n, w in zip("qkv", layer.qkv_proj.hf_weight.split([q_size, kv_size, kv_size])):
                 out[a + f"{n}_proj.weight"] = w
             if layer.qkv_proj.bias is not None:
                 for n, b in zip("qkv", layer.qkv_proj.bias.split([q_size, kv_size, kv_size])):
                     out[a + f"{n}_proj.bias"] = b
-            out[a + "o_proj.weight"] = layer.o_proj.weight
+            out[a + "o_proj.weight"] = layer.o_proj.hf_weight
             if layer.q_norm is not None and layer.k_norm is not None:
                 out[a + "q_norm.weight"] = layer.q_norm.weight
                 out[a + "k_norm.weight"] = layer.k_norm.weight
-            gate, up = layer.gate_up_proj.weight.chunk(2, 0)
+            gate, up = layer.gate_up_proj.hf_weight.chunk(2, 0)
             out[p + "mlp.gate_proj.weight"] = gate
             out[p + "mlp.up_proj.weight"] = up
-            out[p + "mlp.down_proj.weight"] = layer.down_proj.weight
+            out[p + "mlp.down_proj.weight"] = layer.down_proj.hf_weight
             out[p + "input_layernorm.weight"] = layer.input_layernorm.weight
             out[p + "post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight
         return out
@@ -261,4 +303,6 @@ def build_model(
         model = model.to_empty(device="cpu")
         model.rotary = Rotary(config, max_positions or config.max_position_embeddings)
         model.load_hf_state_dict(state_dict)
-    return model.to(dtype).eval()
+    model = model.to(dtype).eval()
+    model.pack()
+    return model
