@@ -1,0 +1,123 @@
+"""HTTP errors in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
+
+Every failure a client can cause maps to one APIError here, so handlers raise and one exception
+handler writes the body. `param` names the request field at fault whenever there is one.
+"""
+
+from __future__ import annotations
+
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from specd.errors import InvalidParameterError, PromptTooLongError, QueueFullError
+from specd.server.protocol import ErrorBody, ErrorInfo
+
+QUEUE_FULL_RETRY_AFTER_S = 1
+
+
+class APIError(Exception):
+    """A failed request: HTTP status plus the OpenAI error fields."""
+
+    def __init__(
+        self,
+        status_code: int,
+        message: str,
+        error_type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.info = ErrorInfo(message=message, type=error_type, param=param, code=code)
+        self.headers = dict(headers or {})
+
+    def body(self) -> ErrorBody:
+        return ErrorBody(error=self.info)
+
+
+def bad_request(message: str, param: str | None, code: str = "invalid_value") -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+def from_engine_error(exc: Exception, rename: Mapping[str, str] | None = None) -> APIError:
+    """Map what `LLM.add_request` raises to a status; `rename` turns engine field names into request ones."""
+    rename = rename or {}
+    if isinstance(exc, PromptTooLongError):
+        field = rename.get(exc.field, exc.field)
+        return APIError(400, f"{field}: {exc.message}", param=field, code="context_length_exceeded")
+    if isinstance(exc, InvalidParameterError):
+        field = rename.get(exc.field, exc.field)
+        return APIError(400, f"{field}: {exc.message}", param=field, code="invalid_value")
+    if isinstance(exc, QueueFullError):
+        # 503 + Retry-After (not 429): the server is saturated, the client did nothing wrong.
+        return APIError(
+            503, f"{exc}; retry later", error_type="service_unavailable_error", code="queue_full",
+            headers={"Retry-After": str(QUEUE_FULL_RETRY_AFTER_S)},
+        )
+    return APIError(500, f"{type(exc).__name__}: {exc}", error_type="server_error", code="internal_error")
+
+
+def from_validation_error(exc: ValidationError, model: type[BaseModel]) -> APIError:
+    """The first pydantic error, with `param` as a dotted path of request fields (`messages[0].content`)."""
+    error = exc.errors(include_url=False)[0]
+    kind, loc, msg = error["type"], tuple(error["loc"]), error["msg"]
+    if kind == "json_invalid":
+        return bad_request(f"malformed JSON body: {msg}", None, code="invalid_json")
+    if kind == "extra_forbidden":
+        param = _join(loc)
+        return bad_request(
+            f"unsupported field '{param}': specd does not implement it (it is rejected rather than ignored)",
+            param, code="unsupported_parameter",
+        )
+    if not loc:
+        return bad_request(f"request body: {msg}", None, code="invalid_type")
+    param = _param_path(model, loc)
+    if kind == "missing":
+        code = "missing_required_parameter"
+    elif kind.endswith(("_type", "_parsing")):
+        code = "invalid_type"
+    else:  # a constraint such as n >= 1 or a literal
+        code = "invalid_value"
+    return bad_request(f"{param}: {msg}", param, code=code)
+
+
+def _join(loc: Sequence[int | str]) -> str:
+    out = ""
+    for item in loc:
+        out += f"[{item}]" if isinstance(item, int) else (f".{item}" if out else str(item))
+    return out
+
+
+def _param_path(model: type[BaseModel], loc: tuple[int | str, ...]) -> str:
+    """Follow `loc` through the model's fields; stop at the first part that is not a field (pydantic's
+    union-member labels such as 'list[str]', which mean nothing to a client)."""
+    current: type[BaseModel] | None = model
+    kept: list[int | str] = []
+    for item in loc:
+        if isinstance(item, int):
+            kept.append(item)
+            continue
+        if current is None or item not in current.model_fields:
+            break
+        kept.append(item)
+        current = _submodel(current.model_fields[item].annotation)
+    return _join(kept) or str(loc[0])
+
+
+def _submodel(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model inside an annotation such as `list[ChatMessage] | None`, if any."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    origin = typing.get_origin(annotation)
+    if origin is None and not isinstance(annotation, types.UnionType):
+        return None
+    for arg in typing.get_args(annotation):
+        found = _submodel(arg)
+        if found is not None:
+            return found
+    return None

@@ -1,0 +1,89 @@
+"""Request-level Prometheus metrics of the server (the speculation families come from PrometheusSink).
+
+Engine figures are written from the engine thread (gauges after each step, histograms and counters
+when a request finishes), so they are measured on the engine's clock: TTFT runs from `add_request` to
+the first emitted token and excludes HTTP parsing and tokenization. Only the error counter is
+written from the HTTP side (prometheus_client metrics are thread-safe).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from specd.engine.outputs import RequestDelta
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+
+
+class RequestMetrics:
+    """specd_* request metrics in a caller-owned registry, labelled by served model name."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        labels = ("model",)
+        self._running = Gauge(
+            "specd_num_requests_running", "Requests holding a KV slot (prefilling or decoding).",
+            labels, registry=registry,
+        ).labels(model_name)
+        self._waiting = Gauge(
+            "specd_num_requests_waiting", "Requests queued for a KV slot.", labels, registry=registry
+        ).labels(model_name)
+        self._kv_used = Gauge(
+            "specd_kv_cache_used_slots", "KV-cache slots in use (one per running sequence).",
+            labels, registry=registry,
+        ).labels(model_name)
+        self._ttft = Histogram(
+            "specd_time_to_first_token_seconds", "Arrival in the engine to first emitted token.",
+            labels, buckets=_LATENCY_BUCKETS, registry=registry,
+        ).labels(model_name)
+        self._tpot = Histogram(
+            "specd_time_per_output_token_seconds",
+            "(finish - first token) / (output tokens - 1), per request with at least two tokens.",
+            labels, buckets=_TPOT_BUCKETS, registry=registry,
+        ).labels(model_name)
+        self._e2e = Histogram(
+            "specd_e2e_request_latency_seconds", "Arrival in the engine to finish.",
+            labels, buckets=_LATENCY_BUCKETS, registry=registry,
+        ).labels(model_name)
+        self._prompt_tokens = Counter(
+            "specd_prompt_tokens", "Prompt tokens of finished requests.", labels, registry=registry
+        ).labels(model_name)
+        self._generation_tokens = Counter(
+            "specd_generation_tokens", "Generated tokens of finished requests (aborted ones included).",
+            labels, registry=registry,
+        ).labels(model_name)
+        self._finished = Counter(
+            "specd_request_finished",
+            "Engine requests finished, by finish_reason (stop, length, abort, error). One per choice.",
+            ("model", "finish_reason"), registry=registry,
+        )
+        self._errors = Counter(
+            "specd_request_errors",
+            "HTTP requests answered with an error body, by error code "
+            "(queue_full, invalid_value, invalid_api_key, internal_error, ...).",
+            ("model", "code"), registry=registry,
+        )
+        self._model_name = model_name
+
+    def set_engine_state(self, num_running: int, num_waiting: int, kv_used_slots: int) -> None:
+        self._running.set(num_running)
+        self._waiting.set(num_waiting)
+        self._kv_used.set(kv_used_slots)
+
+    def observe_finished(self, delta: RequestDelta) -> None:
+        """Record one finished engine request from its final delta."""
+        self._finished.labels(self._model_name, delta.finish_reason or "unknown").inc()
+        self._prompt_tokens.inc(delta.num_prompt_tokens)
+        self._generation_tokens.inc(delta.num_output_tokens)
+        timings = delta.timings
+        if timings is None:
+            return
+        if timings.ttft_s is not None:
+            self._ttft.observe(timings.ttft_s)
+        if timings.e2e_s is not None:
+            self._e2e.observe(timings.e2e_s)
+        if timings.first_token_time is not None and timings.finish_time is not None and delta.num_output_tokens > 1:
+            self._tpot.observe((timings.finish_time - timings.first_token_time) / (delta.num_output_tokens - 1))
+
+    def observe_error(self, code: str) -> None:
+        self._errors.labels(self._model_name, code).inc()

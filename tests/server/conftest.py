@@ -1,0 +1,138 @@
+"""Live uvicorn servers on 127.0.0.1 (free port) over a tiny random-weight model, one per module."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import httpx
+import openai
+import pytest
+import torch
+import uvicorn
+from prometheus_client import CollectorRegistry
+from prometheus_client.parser import text_string_to_metric_families
+
+from specd.config import EngineConfig, SpeculationConfig
+from specd.llm import LLM
+from specd.metrics.prometheus_sink import PrometheusSink
+from specd.model.tokenizer import Tokenizer
+from specd.server.app import ServerSettings, build_app
+from specd.testing import tiny_hf_config_dict, tiny_specd_model
+
+API_KEY = "test-key"
+MODEL_NAME = "tiny"
+
+
+@dataclass
+class LiveServer:
+    url: str
+    llm: LLM
+    registry: CollectorRegistry
+    model: str = MODEL_NAME
+    api_key: str = API_KEY
+
+    @property
+    def auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"}
+
+    def client(self, **kw) -> openai.OpenAI:
+        kw.setdefault("api_key", API_KEY)
+        return openai.OpenAI(base_url=f"{self.url}/v1", max_retries=0, timeout=60, **kw)
+
+    def async_client(self, **kw) -> openai.AsyncOpenAI:
+        kw.setdefault("api_key", API_KEY)
+        return openai.AsyncOpenAI(base_url=f"{self.url}/v1", max_retries=0, timeout=60, **kw)
+
+    def post(self, path: str, **kw) -> httpx.Response:
+        kw.setdefault("headers", self.auth)
+        kw.setdefault("timeout", 60)
+        return httpx.post(f"{self.url}{path}", **kw)
+
+    def metrics(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+        """Every sample of /metrics as {(sample name, sorted labels): value}."""
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        return {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
+
+    def wait_for(self, condition: Callable[[], bool], timeout_s: float = 20.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not condition():
+            if time.monotonic() > deadline:
+                raise AssertionError("condition not reached in time")
+            time.sleep(0.02)
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    # float64 so near-ties cannot flip between differently batched runs (server vs LLM.generate).
+    return tiny_specd_model(tiny_hf_config_dict(), seed=0, dtype=torch.float64)
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return Tokenizer.for_tests(320)
+
+
+def _make_llm(model, tokenizer, registry: CollectorRegistry | None = None, **kw) -> LLM:
+    spec = kw.pop("speculation", SpeculationConfig())
+    config = EngineConfig(speculation=spec, max_model_len=kw.pop("max_model_len", 256), **kw)
+    sinks = []
+    if registry is not None:
+        sinks.append(PrometheusSink(registry, max(1, spec.num_speculative_tokens), MODEL_NAME, spec.method))
+    return LLM.from_model(model, tokenizer, config, stats_sinks=sinks)
+
+
+@pytest.fixture(scope="session")
+def make_llm(tiny_model, tokenizer):
+    """make_llm(registry=None, **EngineConfig fields): an LLM over the tiny model; with a registry, a
+    PrometheusSink is registered in it."""
+
+    def make(registry: CollectorRegistry | None = None, **kw) -> LLM:
+        return _make_llm(tiny_model, tokenizer, registry, **kw)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def start_server():
+    """start_server(llm, registry) -> context manager yielding a LiveServer."""
+    return run_server
+
+
+@contextmanager
+def run_server(llm: LLM, registry: CollectorRegistry, api_key: str | None = API_KEY) -> Iterator[LiveServer]:
+    app = build_app(llm, ServerSettings(MODEL_NAME, api_key, engine_stop_timeout_s=10.0), registry)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    live = LiveServer(f"http://127.0.0.1:{port}", llm, registry)
+    try:
+        live.wait_for(lambda: server.started, timeout_s=30)
+        yield live
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        sock.close()
+    assert not thread.is_alive(), "server did not shut down"
+    assert not app.state.engine.is_running
+
+
+@pytest.fixture(scope="module")
+def spec_server(tiny_model, tokenizer) -> Iterator[LiveServer]:
+    """ngram speculation with the heuristic k policy, 4 slots, an API key."""
+    registry = CollectorRegistry()
+    spec = SpeculationConfig(method="ngram", num_speculative_tokens=4, k_policy="heuristic")
+    llm = _make_llm(tiny_model, tokenizer, registry, speculation=spec, max_num_seqs=4, max_waiting=64)
+    with run_server(llm, registry) as live:
+        yield live

@@ -1,0 +1,111 @@
+"""The engine thread bridge on its own: idle sleep, all-or-nothing adds, abandoned streams are aborted."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import time
+
+import pytest
+
+from specd.errors import InvalidParameterError, QueueFullError
+from specd.sampling.params import SamplingParams
+from specd.server.async_engine import AsyncEngine, EngineRequest, EngineStoppedError
+
+LONG = SamplingParams(max_tokens=150, temperature=0.0, ignore_eos=True)
+
+
+def _request(llm, request_id: str, params: SamplingParams = LONG, prompt: str = "abc") -> EngineRequest:
+    return EngineRequest(request_id, prompt, llm.tokenizer.encode(prompt), params)
+
+
+def _wait_for(condition, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        time.sleep(0.01)
+
+
+@pytest.fixture
+def engine_and_llm(make_llm):
+    llm = make_llm(max_num_seqs=2, max_waiting=2)
+    calls = []
+    step = llm.step
+
+    def counting_step():
+        calls.append(1)
+        return step()
+
+    llm.step = counting_step
+    engine = AsyncEngine(llm)
+    engine.start()
+    yield engine, llm, calls
+    assert engine.stop(10)
+
+
+def test_idle_thread_does_not_step(engine_and_llm):
+    engine, llm, calls = engine_and_llm
+
+    async def one() -> str:
+        stream = await engine.add_requests([_request(llm, "a", SamplingParams(max_tokens=3, temperature=0.0))])
+        return "".join([d.new_text async for d in stream])
+
+    asyncio.run(one())
+    settled = len(calls)
+    time.sleep(0.3)
+    assert len(calls) == settled  # sleeping on the condition, not spinning through empty steps
+
+
+def test_add_is_all_or_nothing_and_errors_propagate(engine_and_llm):
+    engine, llm, _ = engine_and_llm
+
+    async def main() -> None:
+        # The second choice is invalid: neither is queued, and the error names the field.
+        bad = EngineRequest("b-1", None, [1, 10**6], LONG)
+        with pytest.raises(InvalidParameterError) as info:
+            await engine.add_requests([_request(llm, "b-0"), bad])
+        assert info.value.field == "prompt_token_ids"
+        running = await engine.add_requests([_request(llm, "r-0"), _request(llm, "r-1")])
+        while engine.state.num_running < 2:  # both take a slot at the next step
+            await asyncio.sleep(0.01)
+        waiting = await engine.add_requests([_request(llm, "w-0"), _request(llm, "w-1")])  # the queue of two
+        with pytest.raises(QueueFullError):
+            await engine.add_requests([_request(llm, "q-0")])
+        assert engine.state.num_waiting == 2
+        running.abort()
+        waiting.abort()
+        reasons = {d.request_id: d.finish_reason async for d in running if d.finished}
+        reasons.update({d.request_id: d.finish_reason async for d in waiting if d.finished})
+        assert reasons == {"r-0": "abort", "r-1": "abort", "w-0": "abort", "w-1": "abort"}
+
+    asyncio.run(asyncio.wait_for(main(), 60))
+    _wait_for(lambda: llm.engine.cache.num_used_slots == 0 and not llm.engine.has_unfinished())
+
+
+def test_abandoned_stream_is_aborted(engine_and_llm):
+    engine, llm, _ = engine_and_llm
+
+    async def main() -> None:
+        stream = await engine.add_requests([_request(llm, "lost")])
+        async for _ in stream:
+            break
+        del stream  # the handler is gone without aborting: nobody can read this request any more
+        gc.collect()
+        await asyncio.sleep(0)
+
+    asyncio.run(main())
+    _wait_for(lambda: llm.engine.cache.num_used_slots == 0 and not llm.engine.has_unfinished())
+    assert llm.engine.recorder.live_request_ids == ()
+
+
+def test_stopped_engine_refuses_requests(make_llm):
+    llm = make_llm()
+    engine = AsyncEngine(llm)
+    engine.start()
+    assert engine.stop(10) and not engine.is_running
+
+    async def add() -> None:
+        await engine.add_requests([_request(llm, "late")])
+
+    with pytest.raises(EngineStoppedError):
+        asyncio.run(add())

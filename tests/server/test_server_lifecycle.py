@@ -1,0 +1,164 @@
+"""Disconnects abort and free KV slots; a failing request ends with a 500, never the server; shutdown."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+
+import httpx
+import pytest
+from prometheus_client import CollectorRegistry
+
+from specd.config import SpeculationConfig
+
+LONG = {"prompt": "abc", "max_tokens": 200, "ignore_eos": True}
+
+
+@pytest.fixture
+def server(make_llm, start_server):
+    """Two KV slots and ~10 ms per step, so a 200-token request is still running when the client leaves."""
+    registry = CollectorRegistry()
+    llm = make_llm(registry, max_num_seqs=2, speculation=SpeculationConfig(method="ngram", k_policy="heuristic"))
+    step = llm.step
+
+    def slow_step():
+        time.sleep(0.01)
+        return step()
+
+    llm.step = slow_step
+    with start_server(llm, registry) as live:
+        yield live
+
+
+def _aborted(server) -> float:
+    return server.metrics().get(("specd_request_finished_total", (("finish_reason", "abort"),
+                                                                   ("model", server.model))), 0.0)
+
+
+def _good_request_works(server) -> None:
+    out = server.client().completions.create(model=server.model, prompt="abc", max_tokens=3, temperature=0)
+    assert out.usage.completion_tokens >= 1
+
+
+def test_stream_disconnect_aborts_and_frees_kv(server):
+    cache = server.llm.engine.cache
+    with httpx.Client(timeout=30, headers=server.auth) as http, \
+            http.stream("POST", f"{server.url}/v1/completions", json={**LONG, "stream": True}) as response:
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data: "))
+        assert cache.num_used_slots == 1
+    # Leaving the block closes the connection mid-stream.
+    server.wait_for(lambda: _aborted(server) == 1 and cache.num_used_slots == 0)
+    metrics = server.metrics()
+    assert metrics[("specd_num_requests_running", (("model", server.model),))] == 0
+    assert metrics[("specd_kv_cache_used_slots", (("model", server.model),))] == 0
+    # The abort's partial output is still counted, and its speculation stats were closed.
+    assert metrics[("specd_generation_tokens_total", (("model", server.model),))] >= 1
+    assert server.llm.engine.recorder.live_request_ids == ()
+    _good_request_works(server)
+
+
+def test_non_streaming_disconnect_aborts(server):
+    cache = server.llm.engine.cache
+    with pytest.raises(httpx.ReadTimeout):
+        server.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}], "n": 2,
+                                                  **{k: v for k, v in LONG.items() if k != "prompt"}},
+                    timeout=httpx.Timeout(30, read=0.3))
+    server.wait_for(lambda: _aborted(server) == 2 and cache.num_used_slots == 0)
+    _good_request_works(server)
+
+
+class _FailingOnce:
+    """Stands in for the model: the first call raises, later ones run the real forward."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.calls = 0
+
+    def __getattr__(self, name: str):
+        return getattr(self.model, name)
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls == 1:
+            raise RuntimeError("injected forward failure")
+        return self.model(*args, **kwargs)
+
+
+def test_failed_request_is_500_and_server_keeps_serving(server):
+    engine = server.llm.engine
+    engine.model = _FailingOnce(engine.model)
+    try:
+        response = server.post("/v1/completions", json={"prompt": "abc", "max_tokens": 4})
+        assert response.status_code == 500
+        error = response.json()["error"]
+        assert error["type"] == "server_error" and "injected forward failure" in error["message"]
+        _good_request_works(server)
+    finally:
+        engine.model = engine.model.model
+    errors = ("specd_request_finished_total", (("finish_reason", "error"), ("model", server.model)))
+    assert server.metrics()[errors] == 1
+
+
+def test_failed_stream_ends_with_error_event(server):
+    engine = server.llm.engine
+    engine.model = _FailingOnce(engine.model)
+    try:
+        response = server.post("/v1/completions", json={"prompt": "abc", "max_tokens": 4, "stream": True})
+        events = [line for line in response.text.splitlines() if line]
+        assert '"error"' in events[-2] and "injected forward failure" in events[-2]
+        assert events[-1] == "data: [DONE]"
+    finally:
+        engine.model = engine.model.model
+    _good_request_works(server)
+
+
+def test_step_crash_fails_requests_in_flight_only(server):
+    step = server.llm.step
+    calls = []
+
+    def crash_once():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected step crash")
+        return step()
+
+    server.llm.step = crash_once
+    try:
+        response = server.post("/v1/completions", json={"prompt": "abc", "max_tokens": 4})
+        assert response.status_code == 500 and "injected step crash" in response.json()["error"]["message"]
+        server.wait_for(lambda: server.llm.engine.cache.num_used_slots == 0)
+        _good_request_works(server)
+    finally:
+        server.llm.step = step
+
+
+def test_shutdown_aborts_running_requests(make_llm, start_server):
+    registry = CollectorRegistry()
+    llm = make_llm(registry, max_num_seqs=2)
+    step = llm.step
+
+    def slow_step():
+        time.sleep(0.02)
+        return step()
+
+    llm.step = slow_step
+    lines: list[str] = []
+    with start_server(llm, registry) as live:
+        def read() -> None:
+            # After uvicorn's graceful period the connection is cut mid-stream; that is the expected end.
+            with contextlib.suppress(httpx.RemoteProtocolError), httpx.stream(
+                "POST", f"{live.url}/v1/completions", json={**LONG, "stream": True}, headers=live.auth, timeout=30
+            ) as response:
+                for line in response.iter_lines():
+                    lines.append(line)
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        live.wait_for(lambda: llm.engine.num_running == 1)
+    # start_server's exit asserts the engine thread stopped; the stream ended early and its slot is free.
+    reader.join(30)
+    assert not reader.is_alive()
+    assert llm.engine.cache.num_used_slots == 0 and not llm.engine.has_unfinished()
+    assert 0 < sum(1 for line in lines if line.startswith("data: {")) < LONG["max_tokens"]
