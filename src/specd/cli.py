@@ -8,7 +8,12 @@ import logging
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import fields
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from specd.llm import LLM
+    from specd.metrics.stats import StatsSink
 
 from specd.config import EngineConfig, SpeculationConfig
 from specd.errors import SpecdError
@@ -63,13 +68,12 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     )
 
 
-def build_llm(config: EngineConfig) -> Any:
+def build_llm(config: EngineConfig, stats_sinks: Sequence[StatsSink] = ()) -> LLM:
+    """Load config.model into an LLM with every EngineConfig field honoured."""
     from specd.llm import LLM
 
-    kwargs = {f: getattr(config, f) for f in (
-        "dtype", "max_num_seqs", "max_model_len", "max_num_batched_tokens", "max_waiting", "seed",
-        "log_stats_interval_s", "spec_trace_path", "num_threads")}
-    return LLM(config.model, speculation=config.speculation, **kwargs)
+    kwargs = {f.name: getattr(config, f.name) for f in fields(config) if f.name not in ("model", "speculation")}
+    return LLM(config.model, speculation=config.speculation, stats_sinks=stats_sinks, **kwargs)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:

@@ -69,6 +69,11 @@ class SpeculationConfig:
     def enabled(self) -> bool:
         return self.method != "off"
 
+    @property
+    def metrics_k_max(self) -> int:
+        """Positions the metrics keep: k_max, and at least one so the layout is fixed even with speculation off."""
+        return max(1, self.num_speculative_tokens)
+
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:

@@ -64,7 +64,7 @@ class LLMEngine:
                          for name in ("fixed", "heuristic", "confidence")}
         self.cache = model.make_cache(config.max_num_seqs, config.max_model_len)
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens)
-        self.recorder = SpecStatsRecorder(max(1, spec.num_speculative_tokens), sinks=stats_sinks)
+        self.recorder = SpecStatsRecorder(spec.metrics_k_max, sinks=stats_sinks)
         self._seqs: dict[str, Sequence] = {}
         self._next_seq_id = 0
         self._pending: list[RequestDelta] = []
@@ -90,7 +90,7 @@ class LLMEngine:
             raise InvalidParameterError("request_id", f"{request_id!r} is already in use")
         if not isinstance(params, SamplingParams):
             raise InvalidParameterError("sampling_params", "must be a SamplingParams")
-        if self.config.max_waiting and len(self.scheduler.waiting) >= self.config.max_waiting:
+        if self.queue_room() == 0:
             raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} requests)")
         if prompt_token_ids is None:
             if not isinstance(prompt, str) or not prompt:
@@ -165,6 +165,14 @@ class LLMEngine:
         self._finish(seq, "abort")
         self._pending.append(self._delta(seq, [], None))
         return True
+
+    def queue_room(self) -> int | None:
+        """How many more requests add_request accepts now (None = unbounded). Requests that will get a free
+        slot at the next step do not count as waiting; max_waiting bounds the ones beyond that."""
+        if not self.config.max_waiting:
+            return None
+        free = self.config.max_num_seqs - len(self.scheduler.running)
+        return max(0, self.config.max_waiting + free - len(self.scheduler.waiting))
 
     def get_prompt_token_ids(self, request_id: str) -> list[int]:
         return list(self._seqs[request_id].prompt_token_ids)

@@ -12,20 +12,19 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from specd.config import EngineConfig
+from specd.cli import build_llm, engine_config_from_args
 from specd.errors import InvalidParameterError
 from specd.llm import LLM
 from specd.metrics.prometheus_sink import PrometheusSink
-from specd.metrics.stats import StatsSink
 from specd.server.async_engine import AsyncEngine
 from specd.server.errors import APIError
 from specd.server.metrics import RequestMetrics
@@ -159,12 +158,6 @@ def build_app(llm: LLM, settings: ServerSettings, registry: CollectorRegistry) -
     return app
 
 
-def build_llm_with_sinks(config: EngineConfig, sinks: Sequence[StatsSink]) -> LLM:
-    """Load config.model with the given stats sinks (cli.build_llm takes no sinks)."""
-    kwargs = {f.name: getattr(config, f.name) for f in fields(config) if f.name not in ("model", "speculation")}
-    return LLM(config.model, speculation=config.speculation, stats_sinks=sinks, **kwargs)
-
-
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """Server flags; the engine and speculation flags come from cli.add_engine_arguments."""
     g = parser.add_argument_group("server")
@@ -185,21 +178,18 @@ def serve_from_args(args: argparse.Namespace) -> int:
     """Load the model, then serve until interrupted. Returns the process exit code."""
     import uvicorn
 
-    from specd.cli import engine_config_from_args
-
     config = replace(engine_config_from_args(args), max_waiting=args.max_waiting)
     settings = ServerSettings(args.served_model_name or args.model, args.api_key, float(args.shutdown_timeout))
     registry = CollectorRegistry()
     sink = PrometheusSink(
         registry,
-        # the recorder's own k_max (it keeps at least one position even with speculation off)
-        k_max=max(1, config.speculation.num_speculative_tokens),
+        k_max=config.speculation.metrics_k_max,
         model=settings.model_name,
         proposer=config.speculation.method,
         vllm_compat=args.vllm_compat_metrics,
     )
     started = time.perf_counter()
-    llm = build_llm_with_sinks(config, [sink])
+    llm = build_llm(config, [sink])
     logger.info("loaded %s in %.1fs; speculation: %s; serving as '%s' on http://%s:%d", llm.source,
                 time.perf_counter() - started, config.speculation.method, settings.model_name, args.host, args.port)
     if args.host not in ("127.0.0.1", "localhost", "::1") and settings.api_key is None:

@@ -200,8 +200,9 @@ class AsyncEngine:
             command.future.set_exception(EngineStoppedError("the server is shutting down"))
             return
         engine = self._llm.engine
-        max_waiting = self._llm.config.max_waiting
-        if max_waiting and engine.num_waiting + len(command.requests) > max_waiting:
+        room = engine.queue_room()
+        if room is not None and len(command.requests) > room:
+            max_waiting = self._llm.config.max_waiting
             command.future.set_exception(QueueFullError(f"waiting queue is full ({max_waiting} requests)"))
             return
         added: list[str] = []
