@@ -131,7 +131,8 @@ def test_layer_subset_runs_first_layers_with_shared_weights():
     batch = ForwardBatch.build([[4, 5, 6]], [full_cache.allocate()], [0], [[0, 1, 2]])
     full_cache.reserve(3)
     with torch.inference_mode():
-        hidden = ours.layers[0](hidden, batch.positions, ours.rotary, full_cache, AttentionMetadata.build(batch))
+        rope = ours.rotary.tables(batch.positions, hidden.dtype)
+        hidden = ours.layers[0](hidden, rope, full_cache, AttentionMetadata.build(batch))
         ref = torch.nn.functional.linear(ours.norm(hidden), ours.lm_head_weight)
     torch.testing.assert_close(out, ref)
     assert len(cache.keys) == 1

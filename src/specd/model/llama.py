@@ -58,10 +58,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., dim]
-        # Normalise in float32 like the reference implementation, so bf16 matches its rounding.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        # Normalise in float32 like the reference implementation (even for float64), so results match its rounding.
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Tensor:  # [head_dim // 2]
@@ -86,31 +84,33 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling) -> torch.Te
 
 
 class Rotary(nn.Module):
-    """Precomputed cos/sin tables indexed by absolute position (rotate-half convention)."""
+    """Precomputed cos/sin tables indexed by absolute position (rotate-half convention).
+
+    The sine table has the rotate-half sign folded in, so rotating is `x * cos + roll(x, d/2) * sin_signed`:
+    three elementwise ops, applied once to the q and k heads together.
+    """
 
     def __init__(self, config: ModelArchConfig, max_positions: int) -> None:
         super().__init__()
         inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)  # [max_positions, head_dim // 2]
-        emb = torch.cat([freqs, freqs], dim=-1)  # [max_positions, head_dim]
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer("cos", torch.cat([freqs.cos(), freqs.cos()], dim=-1), persistent=False)
+        self.register_buffer("sin_signed", torch.cat([-freqs.sin(), freqs.sin()], dim=-1), persistent=False)
 
-    def forward(
-        self,
-        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        positions: torch.Tensor,  # [num_tokens]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [num_tokens, 1, head_dim]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def tables(
+        self, positions: torch.Tensor, dtype: torch.dtype  # [num_tokens]
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # 2 x [num_tokens, 1, head_dim]
+        """Computed once per forward and shared by all layers."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin_signed[positions].unsqueeze(1).to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+def apply_rotary(
+    x: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    cos: torch.Tensor,  # [num_tokens, 1, head_dim]
+    sin_signed: torch.Tensor,  # [num_tokens, 1, head_dim]
+) -> torch.Tensor:
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin_signed)
 
 
 class DecoderLayer(nn.Module):
@@ -134,20 +134,18 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,  # [num_tokens, hidden_size]
-        positions: torch.Tensor,  # [num_tokens]
-        rotary: Rotary,
+        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin_signed: [num_tokens, 1, head_dim]
         cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
         num_tokens = hidden.shape[0]
         qkv = self.qkv_proj(self.input_layernorm(hidden))  # [num_tokens, q_size + 2 * kv_size]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(q, k, positions)
+            qk = torch.cat([self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])], dim=1)
+        qk = apply_rotary(qk, *rope)  # [num_tokens, num_heads + num_kv_heads, head_dim]
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         attn = paged_attention(q, k, v, cache, self.index, meta)  # [num_tokens, q_size]
         hidden = hidden + self.o_proj(attn)
         gate, up = self.gate_up_proj(self.post_attention_layernorm(hidden)).chunk(2, dim=-1)
@@ -211,9 +209,10 @@ class LlamaForCausalLM(nn.Module):
         """
         meta = AttentionMetadata.build(batch)
         hidden = self.embed_tokens(batch.token_ids)  # [num_tokens, hidden_size]
+        rope = self.rotary.tables(batch.positions, hidden.dtype)
         layers = self.layers if num_layers is None else self.layers[:num_layers]
         for layer in layers:
-            hidden = layer(hidden, batch.positions, self.rotary, cache, meta)
+            hidden = layer(hidden, rope, cache, meta)
         hidden = self.norm(hidden[batch.logits_indices])  # [num_logit_rows, hidden_size]
         logits = hidden @ self.lm_head_t if self.lm_head_t is not None else F.linear(hidden, self.lm_head_weight)
         # float64 models (tests) keep float64 logits so near-ties cannot flip; others compute in float32.
