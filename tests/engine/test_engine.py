@@ -115,10 +115,14 @@ def test_too_long_prompt_and_invalid_values(make_llm):
 
 def test_queue_limit(make_llm):
     llm = make_llm(max_num_seqs=1, max_waiting=2)
-    llm.add_request("a", GREEDY)
-    llm.add_request("b", GREEDY)
+    assert llm.engine.queue_room() == 3  # one takes the free slot at the next step, two may wait
+    for prompt in "abc":
+        llm.add_request(prompt, GREEDY)
     with pytest.raises(QueueFullError):
-        llm.add_request("c", GREEDY)
+        llm.add_request("d", GREEDY)
+    llm.step()  # "a" runs now; "b" and "c" wait: still full
+    with pytest.raises(QueueFullError):
+        llm.add_request("d", GREEDY)
 
 
 def test_abort_frees_kv_and_others_continue(make_llm):
