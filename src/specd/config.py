@@ -10,7 +10,8 @@ from specd.errors import InvalidParameterError
 
 SPEC_METHODS = ("off", "ngram", "draft", "layerskip")
 K_POLICIES = ("fixed", "heuristic", "confidence")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+# "int4": weight-only int4 (group 32) for decode-sized matmuls, bfloat16 activations and dense fallback.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int4": torch.bfloat16, "float64": torch.float64}
 
 
 def _positive_int(name: str, value: object, lo: int = 1) -> None:
@@ -120,3 +121,7 @@ class EngineConfig:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def int4_weights(self) -> bool:
+        return self.dtype == "int4"

@@ -152,3 +152,47 @@ def test_kv_cache_grows_with_use_and_frees():
         cache.reserve(1001)
     with pytest.raises(ValueError):
         cache.free(3)
+
+
+def _snap_to_int4_grid(weight):
+    """Round a weight onto a per-32-group int4 grid, as a Q4_1 GGUF's dequantized weights are."""
+    g = weight.view(weight.shape[0], -1, 32)
+    low = g.amin(-1, keepdim=True)
+    scale = (g.amax(-1, keepdim=True) - low) / 15
+    return (((g - low) / scale).round() * scale + low).view_as(weight)
+
+
+def test_int4_quantization_is_exact_on_a_q4_grid():
+    from specd.model.llama import INT4_GROUP, quantize_int4
+
+    torch.manual_seed(5)
+    weight = _snap_to_int4_grid(torch.randn(48, 96))
+    packed, scales_and_zeros = quantize_int4(weight)
+    # Multiplying the identity through the kernel reads the weight back (float32 path: exact up to rounding).
+    eye = torch.eye(96)
+    recovered = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, packed, INT4_GROUP, scales_and_zeros).t()
+    torch.testing.assert_close(recovered, weight, rtol=1e-5, atol=1e-5)
+
+
+def test_int4_model_is_as_close_to_float32_as_dense_bfloat16():
+    cfg = tiny_hf_config_dict()
+    hf = tiny_hf_model(cfg)
+    sd = {k: (_snap_to_int4_grid(v) if v.dim() == 2 and "embed" not in k else v).detach().clone()
+          for k, v in hf.state_dict().items()}
+    arch = ModelArchConfig.from_hf_dict(cfg)
+    ref, dense, quant = (build_model(arch, sd, torch.float32), build_model(arch, sd, torch.bfloat16),
+                         build_model(arch, sd, torch.bfloat16, int4=True))
+    assert quant.layers[0].qkv_proj.int4 is not None and dense.layers[0].qkv_proj.int4 is None
+
+    def decode(model, tokens):
+        cache = model.make_cache(1, 64)
+        slot = cache.allocate()
+        return torch.cat([_run(model, cache, slot, [t], i) for i, t in enumerate(tokens)])  # 1 row: int4 path
+
+    tokens = list(range(3, 23))
+    expected = decode(ref, tokens)
+    err_dense = (decode(dense, tokens) - expected).abs().max()
+    err_int4 = (decode(quant, tokens) - expected).abs().max()
+    assert err_int4 < 2 * err_dense + 1e-3, (err_int4, err_dense)
+    with pytest.raises(Exception, match="bfloat16"):
+        build_model(arch, sd, torch.float32, int4=True)

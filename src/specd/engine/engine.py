@@ -227,7 +227,7 @@ class LLMEngine:
                     sampled.append(work)
             else:
                 d = drafts.token_ids.get(seq.seq_id, [])
-                new_tokens.append([seq.token_ids[-1], *d])
+                new_tokens.append([seq.last_token, *d])
                 logit_rows.append(list(range(len(d) + 1)))
                 sampled.append(work)
         batch = ForwardBatch.build(

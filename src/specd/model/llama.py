@@ -20,12 +20,37 @@ from specd.model.attention import AttentionMetadata, ForwardBatch, paged_attenti
 from specd.model.config import ModelArchConfig, RopeScaling
 from specd.model.kv_cache import KVCache
 
+INT4_GROUP = 32
+# Above this many rows the int4 kernel (which dequantizes per row block) is slower than the dense bfloat16 GEMM.
+INT4_MAX_ROWS = 4
+
+
+def quantize_int4(
+    weight: torch.Tensor,  # [out, in] float, in % INT4_GROUP == 0, out % 16 == 0
+) -> tuple[torch.Tensor, torch.Tensor]:  # packed int4 [out, in // 2] uint8, scales_and_zeros [in // 32, out, 2]
+    """Asymmetric int4 per group of 32 inputs: w = scale * (q - 8) + zero, with q in 0..15.
+
+    Exact for weights dequantized from GGUF Q4_1 (each block spans q = 0..15: min and max are on its grid).
+    """
+    out_features, in_features = weight.shape
+    groups = weight.float().view(out_features, in_features // INT4_GROUP, INT4_GROUP)
+    low = groups.amin(-1, keepdim=True)  # [out, groups, 1]
+    scale = ((groups.amax(-1, keepdim=True) - low) / 15).clamp_min(1e-10)
+    q = ((groups - low) / scale).round_().clamp_(0, 15).to(torch.int32).view(out_features, in_features)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    zeros = low + 8 * scale
+    scales_and_zeros = torch.stack([scale.squeeze(-1).t(), zeros.squeeze(-1).t()], dim=-1).contiguous()
+    return packed, scales_and_zeros
+
 
 class Linear(nn.Module):
     """y = x W^T + b, with W stored [out, in] as in Hugging Face checkpoints until `pack()`.
 
     `pack()` re-lays float32/float64 weights out as [in, out]: on CPU, MKL's small-M float32 GEMM streams that
     layout ~1.4x faster (decode and verification are small-M), while bfloat16 is fastest as is.
+    `add_int4()` (for bfloat16 models) adds an int4 copy used for up to INT4_MAX_ROWS rows (decode and short
+    verification), where reading 4-bit weights makes the memory-bound GEMM several times faster; larger
+    batches and prefill use the dense bfloat16 weight.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
@@ -33,6 +58,12 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         self.transposed = False
+        self.int4: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def add_int4(self) -> None:
+        """Quantize the current (ideally float32) weight into the int4 copy; its scales are bfloat16."""
+        packed, scales_and_zeros = quantize_int4(self.hf_weight.detach())
+        self.int4 = (packed, scales_and_zeros.to(torch.bfloat16))
 
     def pack(self) -> None:
         if self.transposed or self.weight.dtype not in (torch.float32, torch.float64):
@@ -45,6 +76,9 @@ class Linear(nn.Module):
         return self.weight.t() if self.transposed else self.weight
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in] -> [num_tokens, out]
+        if self.int4 is not None and x.shape[0] <= INT4_MAX_ROWS:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.int4[0], INT4_GROUP, self.int4[1])
+            return y if self.bias is None else y + self.bias
         if not self.transposed:
             return F.linear(x, self.weight, self.bias)
         y = x @ self.weight
@@ -292,8 +326,15 @@ def build_model(
     state_dict: dict[str, torch.Tensor] | None,
     dtype: torch.dtype = torch.float32,
     max_positions: int | None = None,
+    int4: bool = False,
 ) -> LlamaForCausalLM:
-    """Construct on the meta device-free fast path (no random init when weights are given) and load."""
+    """Build with `state_dict`'s HF-named weights (random init only when None), cast to dtype, pack.
+
+    int4: the decoder layers' projections also get int4 copies, quantized from the weights before the cast
+    (so a Q4_1 GGUF's grid is recovered exactly); activations run in bfloat16, which int4 requires.
+    """
+    if int4 and dtype != torch.bfloat16:
+        raise ModelLoadError("dtype: int4 weights run with bfloat16 activations")
     if state_dict is None:
         model = LlamaForCausalLM(config, max_positions)
     else:
@@ -302,6 +343,10 @@ def build_model(
         model = model.to_empty(device="cpu")
         model.rotary = Rotary(config, max_positions or config.max_position_embeddings)
         model.load_hf_state_dict(state_dict)
+    if int4:
+        for module in model.modules():
+            if isinstance(module, Linear):
+                module.add_int4()
     model = model.to(dtype).eval()
     model.pack()
     return model

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
+
 from specd.config import EngineConfig
 from specd.errors import InvalidParameterError, ModelLoadError
 from specd.model.llama import LlamaForCausalLM, build_model
@@ -42,9 +44,12 @@ def _draft(config: EngineConfig, target: LlamaForCausalLM, tokenizer: Tokenizer 
     from specd.model.loader import load_checkpoint
 
     path = config.speculation.draft_model or ""
-    ckpt = load_checkpoint(path, config.torch_dtype)
+    ckpt = load_checkpoint(path, torch.float32 if config.int4_weights else config.torch_dtype)
     check_same_vocabulary(target, tokenizer, ckpt.config.vocab_size, ckpt.tokenizer)
-    draft = build_model(ckpt.config, ckpt.state_dict, config.torch_dtype, max_positions=config.max_model_len)
+    draft = build_model(
+        ckpt.config, ckpt.state_dict, config.torch_dtype, max_positions=config.max_model_len,
+        int4=config.int4_weights,
+    )
     return DraftModelProposer(
         draft, "draft", config.max_num_seqs, config.max_model_len, confidence_threshold=_confidence(config)
     )
