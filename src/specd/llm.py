@@ -87,6 +87,8 @@ class LLM:
         sinks: Sequence[StatsSink],
         proposer: Proposer | None = None,
     ) -> None:
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)  # process-wide: torch has no per-engine setting
         self.config = config
         self.tokenizer = tokenizer
         self.model = model

@@ -1,0 +1,17 @@
+"""Test-wide settings.
+
+Tiny in-process models gain nothing from intra-op threads, and when several processes share the 2 cores,
+OpenMP threads spinning against each other make tiny steps ~100x slower; so tests run single-threaded,
+except those on the real default model (marked `integration`), which use torch's default.
+"""
+
+import pytest
+import torch
+
+_DEFAULT_THREADS = torch.get_num_threads()
+
+
+@pytest.fixture(autouse=True)
+def _threads_per_test_kind(request):
+    torch.set_num_threads(_DEFAULT_THREADS if request.node.get_closest_marker("integration") else 1)
+    yield
