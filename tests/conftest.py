@@ -8,6 +8,9 @@ except those on the real default model (marked `integration`), which use torch's
 import pytest
 import torch
 
+from specd.model.tokenizer import Tokenizer
+from specd.testing import tiny_hf_config_dict, tiny_specd_model
+
 _DEFAULT_THREADS = torch.get_num_threads()
 
 
@@ -15,3 +18,14 @@ _DEFAULT_THREADS = torch.get_num_threads()
 def _threads_per_test_kind(request):
     torch.set_num_threads(_DEFAULT_THREADS if request.node.get_closest_marker("integration") else 1)
     yield
+
+
+@pytest.fixture(scope="session")
+def tiny_model():
+    """The tiny random Llama in float64, so near-ties cannot flip between differently batched runs."""
+    return tiny_specd_model(tiny_hf_config_dict(), seed=0, dtype=torch.float64)
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return Tokenizer.for_tests(320)

@@ -1,21 +1,7 @@
 import pytest
-import torch
 
 from specd.config import EngineConfig, SpeculationConfig
 from specd.llm import LLM
-from specd.model.tokenizer import Tokenizer
-from specd.testing import tiny_hf_config_dict, tiny_specd_model
-
-
-@pytest.fixture(scope="session")
-def tiny_model():
-    # float64 so near-ties cannot flip between batched and unbatched runs.
-    return tiny_specd_model(tiny_hf_config_dict(), seed=0, dtype=torch.float64)
-
-
-@pytest.fixture(scope="session")
-def tokenizer():
-    return Tokenizer.for_tests(320)
 
 
 @pytest.fixture

@@ -12,7 +12,6 @@ from dataclasses import dataclass
 import httpx
 import openai
 import pytest
-import torch
 import uvicorn
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
@@ -20,9 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from specd.config import EngineConfig, SpeculationConfig
 from specd.llm import LLM
 from specd.metrics.prometheus_sink import PrometheusSink
-from specd.model.tokenizer import Tokenizer
 from specd.server.app import ServerSettings, build_app
-from specd.testing import tiny_hf_config_dict, tiny_specd_model
 
 API_KEY = "test-key"
 MODEL_NAME = "tiny"
@@ -70,23 +67,12 @@ class LiveServer:
             time.sleep(0.02)
 
 
-@pytest.fixture(scope="session")
-def tiny_model():
-    # float64 so near-ties cannot flip between differently batched runs (server vs LLM.generate).
-    return tiny_specd_model(tiny_hf_config_dict(), seed=0, dtype=torch.float64)
-
-
-@pytest.fixture(scope="session")
-def tokenizer():
-    return Tokenizer.for_tests(320)
-
-
 def _make_llm(model, tokenizer, registry: CollectorRegistry | None = None, **kw) -> LLM:
     spec = kw.pop("speculation", SpeculationConfig())
     config = EngineConfig(speculation=spec, max_model_len=kw.pop("max_model_len", 256), **kw)
     sinks = []
     if registry is not None:
-        sinks.append(PrometheusSink(registry, max(1, spec.num_speculative_tokens), MODEL_NAME, spec.method))
+        sinks.append(PrometheusSink(registry, spec.metrics_k_max, MODEL_NAME, spec.method))
     return LLM.from_model(model, tokenizer, config, stats_sinks=sinks)
 
 
