@@ -15,6 +15,7 @@ run's dtype and once with the same weights in float64:
 A near-tie (|plain-spec| below --tie-gap in the run's dtype) that a different batch shape flips is an equally
 valid greedy choice under a different reduction order, not a bug: verification computes the same logits in
 a [k + 1]-token forward that plain decoding computes in 1-token forwards. A mismatch with a large gap is.
+The default run (36 prompts x 3 configurations, 64 tokens) takes about 4 minutes on 2 idle CPU cores.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -131,6 +133,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
+    start = time.perf_counter()
     base = LLM("default", dtype=args.dtype, max_num_seqs=args.batch_size)
     model, tokenizer = base.model, base.tokenizer
     assert tokenizer is not None
@@ -149,11 +152,11 @@ def main() -> None:
         config = EngineConfig(dtype=args.dtype, max_num_seqs=args.batch_size, speculation=spec)
         return generate_all(model, tokenizer, config, prompt_ids, args.batch_size, args.max_tokens)
 
-    print(f"plain: {len(prompts)} prompts", file=sys.stderr)
+    print(f"[{time.perf_counter() - start:.0f}s] plain: {len(prompts)} prompts", file=sys.stderr)
     plain = run(SpeculationConfig())
     summary_rows, mismatches = [], []
     for name, spec in configs.items():
-        print(f"{name}: {len(prompts)} prompts", file=sys.stderr)
+        print(f"[{time.perf_counter() - start:.0f}s] {name}: {len(prompts)} prompts", file=sys.stderr)
         outs = run(spec)
         matched = 0
         for prompt, ids, p, s in zip(prompts, prompt_ids, plain, outs):
@@ -163,6 +166,7 @@ def main() -> None:
                 continue
             mismatches.append(explain(name, prompt, ids, p, s, position, model, reference, tokenizer, args.tie_gap))
         summary_rows.append([name, f"{matched}/{len(prompts)}", matched / len(prompts)])
+    print(f"[{time.perf_counter() - start:.0f}s] done", file=sys.stderr)
     print(f"\n### Greedy match vs plain decoding ({args.dtype}, max_tokens {args.max_tokens}, "
           f"batch {args.batch_size}, stop at EOS)\n")
     print(markdown_table(["config", "matched", "match rate"], summary_rows))

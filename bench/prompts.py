@@ -30,7 +30,7 @@ def _user(text: str) -> tuple[dict[str, str], ...]:
 
 # ---------------------------------------------------------------------------------------------- rewrite
 _REWRITE = [
-    ("grammar", """Rewrite the following paragraph, fixing the grammar:
+    ("grammar", """Fix the grammar mistakes in the following paragraph and keep everything else the same:
 
 Last summer me and my brother goes to the lake every morning. The water were cold but we swims anyway
 because the sun was already hot. Our grandmother have a small boat that she let us use if we was careful.
@@ -63,19 +63,19 @@ The train left the station at noon. Maria sat by the window and watched the fiel
 notebook and wrote a letter to her sister. The conductor checked the tickets and told the passengers that
 the next stop was in twenty minutes. Outside, the sky turned grey and it started to rain. Maria closed
 her notebook, leaned back in her seat and listened to the rain on the glass."""),
-    ("formal", """Rewrite this email so it sounds polite and professional:
+    ("past_tense", """Rewrite the following paragraph in the past tense:
 
-Hi Tom, the report you sent yesterday is missing the sales numbers for March and April. I need them by
-Friday because the board meeting is on Monday morning and I have to prepare the slides. Also the chart
-on page three is wrong, the colors are mixed up and the labels are too small to read. Send me the fixed
-version as soon as you can. Thanks, Anna"""),
+Every spring the village holds a market in the main square. Farmers bring eggs, cheese, honey and young
+plants, and a baker sells warm bread from a cart. Children paint their faces and run between the stalls.
+At noon a band plays old songs on the steps of the town hall, and people dance in the sun. In the evening
+the farmers pack their trucks, the square becomes quiet again, and the cleaners sweep away the flowers."""),
     ("replace_word", """Rewrite the following paragraph, replacing the word "dog" with "cat" everywhere:
 
 Our neighbor has a dog named Pepper. Every evening the dog waits by the gate for the children to come
 home from school. When the dog sees them, it runs in circles and barks with joy. The dog sleeps on an old
 blanket in the kitchen and eats twice a day. On weekends the family takes the dog to the park, where the
 dog chases leaves and plays with other animals until it is tired."""),
-    ("simplify", """Rewrite the following paragraph using simpler words:
+    ("simplify", """Rewrite the following paragraph using simpler words, keeping the same sentences:
 
 The expedition commenced its ascent at dawn, as the meteorological forecast indicated favorable
 conditions. The participants carried substantial provisions, including additional garments and
@@ -92,9 +92,7 @@ well, and then push a wooden stick into the ground next to it for support."""),
 
 # ------------------------------------------------------------------------------------------------- code
 _CODE = [
-    ("type_hints", '''Add type hints to this Python function:
-
-def average_scores(scores, min_count):
+    ("type_hints", '''def average_scores(scores, min_count):
     total = 0
     count = 0
     for name in scores:
@@ -105,7 +103,9 @@ def average_scores(scores, min_count):
         count = count + 1
     if count < min_count:
         return None
-    return total / count'''),
+    return total / count
+
+Add type hints to the Python function above.'''),
     ("rename", '''Rename the variable x to count in this code:
 
 def count_words(text):
@@ -132,7 +132,7 @@ def merge_sorted(left, right):
     result.extend(left[i:])
     result.extend(right[j:])
     return result'''),
-    ("comments", '''Add a comment above each line of this function:
+    ("comments", '''Add a comment at the top of this function that explains what it does:
 
 def read_config(path):
     settings = {}
@@ -167,7 +167,7 @@ def computeTotalPrice(itemPrices, taxRate):
 def printReceipt(itemPrices, taxRate):
     totalPrice = computeTotalPrice(itemPrices, taxRate)
     print("Total:", totalPrice)'''),
-    ("default_arg", '''Add a parameter `sep` with default value "," to this function and use it instead of the comma:
+    ("rename_function", '''Rewrite this code with the function parse_row renamed to split_fields:
 
 def parse_row(line):
     fields = line.split(",")

@@ -1,22 +1,24 @@
-"""Speculation speed-ups on the default model: every proposer x k x k policy vs plain decoding, side by side.
+"""Speculation speed-ups on the default model: proposer x k x k policy vs plain decoding, side by side.
 
-    .venv/bin/python bench/spec.py [--dtype float32] [--kinds rewrite code docqa chat] [--batch-sizes 1 8]
-        [--ks 2 4 8] [--methods ngram layerskip] [--max-tokens 128] [--num-prompts 4] [--draft-layers 8]
-        [--skip-transformers] [--json rows.json]
+    .venv/bin/python bench/spec.py [--dtype float32|bfloat16] [--kinds rewrite code docqa chat]
+        [--batch-sizes 1 8] [--ks 2 4 8] [--layerskip-ks 4] [--methods ngram layerskip] [--max-tokens 128]
+        [--num-prompts 2] [--draft-layers 8] [--skip-transformers] [--threads N] [--json rows.json]
 
 Greedy, stopping at EOS like a real user; tokens/s counts the tokens actually generated. For each prompt
 kind (bench/prompts.py) and batch size: batch 1 runs the first --num-prompts prompts one at a time, batch 8
 runs eight prompts of the kind in one generate call. Plain decoding (speculation off) is measured at the
-start and at the end of every (kind, batch) group and the speed-ups divide by the mean of the two, so a
-change in machine load during the group shows up in both sides. One target model is loaded and shared by
-every configuration (a fresh LLM per configuration, so get_metrics() covers exactly that run). `match` is the
-share of requests whose token ids equal plain decoding's (greedy speculation is lossless).
+start and at the end of every (kind, batch) group and speed-ups divide by the mean of the two rates, so a
+change of machine load during the group is visible (stderr prints both) and shared by both sides. One target
+model is loaded and shared by every configuration; each configuration gets a fresh LLM around it, so its
+get_metrics() covers exactly that run (acceptance A/T, A/D, tau = 1 + A/D, tokens per target forward, all
+pooled). `match` is the share of requests whose token ids equal plain decoding's (greedy is lossless).
 
 Peer: transformers' prompt lookup decoding (`prompt_lookup_num_tokens=k`, batch 1 only) against
-transformers' plain `generate`, on the same token ids, measured in the same run.
+transformers' plain `generate`, on the same token ids and stopping at the same EOS, in the same run.
 
-Default sweep: 4 kinds x (plain x 2 + 6 ngram + 9 layerskip configurations) x batch {1, 8}, plus
-transformers at batch 1; about 20 minutes on 2 CPU cores.
+Duration: the defaults (4 kinds x batch {1, 8} x [plain twice, ngram x {2, 4, 8} x {fixed, heuristic},
+layerskip x {4} x {fixed, heuristic, confidence}], transformers at batch 1) take about 20 minutes on 2 idle CPU
+cores. The full grid (`--layerskip-ks 2 4 8 --num-prompts 4`) takes about 45 minutes.
 """
 
 from __future__ import annotations
@@ -25,10 +27,11 @@ import argparse
 import gc
 import json
 import sys
+import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -86,8 +89,16 @@ class Row:
     tokens_per_forward: float | None = None  # emitted tokens / target-forward sequence-steps
 
 
-def settings_for(methods: Sequence[str], ks: Sequence[int]) -> list[Setting]:
-    return [Setting(m, k, p) for m in methods for k in ks for p in POLICIES[m]]
+def settings_for(args: argparse.Namespace) -> list[Setting]:
+    ks_of = {"ngram": args.ks, "layerskip": args.layerskip_ks}
+    return [Setting(m, k, p) for m in args.methods for k in ks_of[m] for p in POLICIES[m]]
+
+
+_START = time.perf_counter()
+
+
+def progress(message: str) -> None:
+    print(f"[{time.perf_counter() - _START:5.0f}s] {message}", file=sys.stderr)
 
 
 def chat_token_ids(tokenizer: Tokenizer, kind: str) -> list[list[int]]:
@@ -104,7 +115,7 @@ def engine_config(args: argparse.Namespace, setting: Setting) -> EngineConfig:
             k_policy=setting.policy,
             draft_layers=args.draft_layers if setting.method == "layerskip" else None,
         )
-    return EngineConfig(model="default", dtype=args.dtype, max_num_seqs=8, speculation=spec)
+    return EngineConfig(model="default", dtype=args.dtype, max_num_seqs=8, speculation=spec, num_threads=args.threads)
 
 
 def run_specd(
@@ -161,24 +172,32 @@ def make_row(engine: str, kind: str, batch: int, setting: Setting, run: Run, pla
     )
 
 
+class Group(NamedTuple):
+    rows: list[Row]  # plain first, then one row per setting
+    plain: Run  # the first plain run: the reference outputs of the group
+
+
 def measure_group(
     engine: str, kind: str, batch: int, settings: list[Setting], run_one: Callable[[Setting], Run]
-) -> list[Row]:
-    """Plain, every setting, plain again; speed-ups over the mean plain rate of the group."""
+) -> Group:
+    """Plain, every setting, plain again; speed-ups over the mean of the two plain rates."""
     plain_first = run_one(Setting("off"))
     runs = []
     for setting in settings:
-        runs.append((setting, run_one(setting)))
-        row_rate = runs[-1][1].num_tokens / runs[-1][1].seconds
-        print(f"  {engine} {kind} b{batch} {setting.method} k={setting.k} {setting.policy}: "
-              f"{row_rate:.1f} tok/s", file=sys.stderr)
+        run = run_one(setting)
+        runs.append((setting, run))
+        progress(f"{engine} {kind} b{batch} {setting.method} k={setting.k} {setting.policy}: "
+                 f"{run.num_tokens / run.seconds:.1f} tok/s, {run.seconds:.1f}s")
     plain_last = run_one(Setting("off"))
-    plain_rate = (plain_first.num_tokens / plain_first.seconds + plain_last.num_tokens / plain_last.seconds) / 2
-    plain_row = make_row(engine, kind, batch, Setting("off"), plain_first, plain_first, plain_rate)
-    plain_row = Row(**{**asdict(plain_row), "tokens_per_s": plain_rate, "speedup": 1.0,
-                       "match": match_rate(plain_last, plain_first)})
-    print(f"  {engine} {kind} b{batch} plain: {plain_rate:.1f} tok/s", file=sys.stderr)
-    return [plain_row] + [make_row(engine, kind, batch, s, r, plain_first, plain_rate) for s, r in runs]
+    first_rate, last_rate = (r.num_tokens / r.seconds for r in (plain_first, plain_last))
+    plain_rate = (first_rate + last_rate) / 2
+    progress(f"{engine} {kind} b{batch} plain: {plain_rate:.1f} tok/s (first {first_rate:.1f}, last {last_rate:.1f})")
+    plain_row = replace(
+        make_row(engine, kind, batch, Setting("off"), plain_first, plain_first, plain_rate),
+        tokens_per_s=plain_rate, speedup=1.0, match=match_rate(plain_last, plain_first),
+    )
+    rows = [make_row(engine, kind, batch, s, r, plain_first, plain_rate) for s, r in runs]
+    return Group([plain_row, *rows], plain_first)
 
 
 def fmt(value: float | None) -> str | float:
@@ -201,7 +220,7 @@ def best(rows: list[Row], **where: Any) -> Row | None:
     return max(chosen, key=lambda r: r.speedup, default=None)
 
 
-def summary(rows: list[Row], kinds: Sequence[str]) -> str:
+def summary(rows: list[Row], kinds: Sequence[str], peer_agreement: dict[str, float]) -> str:
     lines = ["", "Summary (batch 1; best configuration per kind):"]
     verdicts = []
     for kind in kinds:
@@ -214,6 +233,11 @@ def summary(rows: list[Row], kinds: Sequence[str]) -> str:
             holds = ngram.speedup >= pld.speedup
             verdicts.append(holds)
             line += f" vs transformers prompt lookup {pld.speedup:.2f}x (k={pld.k}): {'ok' if holds else 'BELOW'}"
+        if kind in peer_agreement:
+            line += f"; transformers plain = specd plain on {peer_agreement[kind]:.0%} of requests"
+        wide = best(rows, engine="specd", kind=kind, batch=8, method="ngram")
+        if wide is not None:
+            line += f"; batch 8: ngram {wide.speedup:.2f}x (k={wide.k}, {wide.policy})"
         lines.append(line)
     if verdicts:
         verdict = "HOLDS" if all(verdicts) else "FAILS"
@@ -230,30 +254,34 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
     ap.add_argument("--batch-sizes", nargs="+", type=int, choices=[1, 8], default=[1, 8])
-    ap.add_argument("--ks", nargs="+", type=int, default=[2, 4, 8])
+    ap.add_argument("--ks", nargs="+", type=int, default=[2, 4, 8], help="k of ngram and of transformers' lookup")
+    ap.add_argument("--layerskip-ks", nargs="+", type=int, default=[4], help="k of layerskip (full grid: 2 4 8)")
     ap.add_argument("--methods", nargs="+", choices=list(POLICIES), default=list(POLICIES))
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--num-prompts", type=int, default=4, help="prompts per kind at batch 1 (run one at a time)")
+    ap.add_argument("--num-prompts", type=int, default=2, help="prompts per kind at batch 1 (run one at a time)")
     ap.add_argument("--draft-layers", type=int, default=8, help="layerskip: target layers used as the draft")
     ap.add_argument("--skip-transformers", action="store_true")
-    ap.add_argument("--json", type=Path, help="write every row as JSON here")
+    ap.add_argument("--threads", type=int, help="torch threads for specd and transformers (default: torch's)")
+    ap.add_argument("--json", type=Path, help="write the settings and every row as JSON here")
     return ap.parse_args()
 
 
 def main() -> None:
     args = parse_args()
-    base = LLM("default", dtype=args.dtype, max_num_seqs=8)
+    base = LLM("default", dtype=args.dtype, max_num_seqs=8, num_threads=args.threads)  # threads: process-wide
     model, tokenizer = base.model, base.tokenizer
     assert tokenizer is not None
-    warm_ids = chat_token_ids(tokenizer, args.kinds[0])
+    warm_ids = chat_token_ids(tokenizer, args.kinds[0])  # every batch shape the groups will use, briefly
     base.generate(prompt_token_ids=warm_ids, sampling_params=SamplingParams(max_tokens=4, temperature=0.0))
     del base
     hf_model = None
     if not args.skip_transformers and 1 in args.batch_sizes:
         hf_model, _ = load_transformers(DTYPES[args.dtype])
         run_transformers(hf_model, warm_ids[:1], 4, 0)
-    settings = settings_for(args.methods, args.ks)
+    settings = settings_for(args)
+    progress(f"loaded; {len(settings)} speculative settings per (kind, batch)")
     rows: list[Row] = []
+    peer_agreement: dict[str, float] = {}
     for kind in args.kinds:
         all_ids = chat_token_ids(tokenizer, kind)
         for batch in args.batch_sizes:
@@ -262,20 +290,24 @@ def main() -> None:
             def run_one(setting: Setting, ids: list[list[int]] = prompt_ids, batch: int = batch) -> Run:
                 return run_specd(model, tokenizer, engine_config(args, setting), ids, batch, args.max_tokens)
 
-            rows += measure_group("specd", kind, batch, settings, run_one)
+            group = measure_group("specd", kind, batch, settings, run_one)
+            rows += group.rows
             gc.collect()
             if hf_model is not None and batch == 1:
 
                 def run_hf(setting: Setting, ids: list[list[int]] = prompt_ids) -> Run:
                     return run_transformers(hf_model, ids, args.max_tokens, setting.k)
 
-                rows += measure_group("transformers", kind, 1, [Setting("pld", k) for k in args.ks], run_hf)
+                peer = measure_group("transformers", kind, 1, [Setting("pld", k) for k in args.ks], run_hf)
+                rows += peer.rows
+                peer_agreement[kind] = match_rate(peer.plain, group.plain)
     for batch in args.batch_sizes:
         print(f"\n### batch {batch} ({args.dtype}, max_tokens {args.max_tokens}, greedy, stop at EOS)\n")
         print(table([r for r in rows if r.batch == batch]))
-    print(summary(rows, args.kinds))
+    print(summary(rows, args.kinds, peer_agreement))
     if args.json:
-        args.json.write_text(json.dumps([asdict(r) for r in rows], indent=1))
+        settings_json = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
+        args.json.write_text(json.dumps({"args": settings_json, "rows": [asdict(r) for r in rows]}, indent=1))
 
 
 if __name__ == "__main__":
