@@ -134,10 +134,12 @@ def _grouped_attention(
     # Head h reads KV head h // group (the repeat_kv convention), so heads are grouped contiguously.
     qg = q.reshape(num_seqs, num_kv_heads, group * max_new, head_dim)
     scores = torch.matmul(qg, keys.transpose(-1, -2))  # [num_seqs, num_kv_heads, group * max_new, kv_len]
-    scores = scores.to(torch.promote_types(scores.dtype, torch.float32))  # softmax in >= float32
-    scores = scores.view(num_seqs, num_kv_heads, group, max_new, kv_len) * (head_dim**-0.5)
+    scores = scores.view(num_seqs, num_kv_heads, group, max_new, kv_len)
     if additive_mask is not None:
-        scores = scores + additive_mask
+        # mask + scale * scores in one op; the float32 mask makes the sum (and the softmax) at least float32.
+        scores = torch.add(additive_mask, scores, alpha=head_dim**-0.5)
+    else:
+        scores = scores.to(torch.promote_types(scores.dtype, torch.float32)).mul_(head_dim**-0.5)
     probs = torch.softmax(scores, dim=-1).to(values.dtype).view(num_seqs, num_kv_heads, group * max_new, kv_len)
     out = torch.matmul(probs, values)  # [num_seqs, num_kv_heads, group * max_new, head_dim]
     return out.view(num_seqs, num_heads, max_new, head_dim).transpose(1, 2)
