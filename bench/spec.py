@@ -1,6 +1,6 @@
 """Speculation speed-ups on the default model: proposer x k x k policy vs plain decoding, side by side.
 
-    .venv/bin/python bench/spec.py [--dtype float32|bfloat16] [--kinds rewrite code docqa chat]
+    .venv/bin/python bench/spec.py [--dtype float32|bfloat16|int4] [--kinds rewrite code docqa chat]
         [--batch-sizes 1 8] [--ks 2 4 8] [--layerskip-ks 4] [--methods ngram layerskip] [--max-tokens 128]
         [--num-prompts 2] [--draft-layers 8] [--skip-transformers] [--threads N] [--json rows.json]
 
@@ -251,7 +251,8 @@ def summary(rows: list[Row], kinds: Sequence[str], peer_agreement: dict[str, flo
 
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "int4"], default="bfloat16",
+                    help="specd dtype; transformers runs in float32, or bfloat16 for bfloat16 and int4")
     ap.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
     ap.add_argument("--batch-sizes", nargs="+", type=int, choices=[1, 8], default=[1, 8])
     ap.add_argument("--ks", nargs="+", type=int, default=[2, 4, 8], help="k of ngram and of transformers' lookup")

@@ -1,8 +1,9 @@
 """Cost of SpecStatsRecorder.record_step at batch 32, k = 8, with each sink and with all of them.
 
-Run: .venv/bin/python bench/stats_overhead.py [--steps N] [--batch B] [--k K]
-Prints µs per record_step (median of repeats). The engine owner relates it to the step time: a step
-takes tens of ms on CPU, so anything under ~100 µs is below 1%.
+Run: .venv/bin/python bench/stats_overhead.py [--steps N] [--batch B] [--k K] [--dtype bfloat16]
+Prints µs per record_step (median of repeats) and, side by side, the time of the target forward such a step
+verifies on the default model (batch sequences x (k + 1) tokens at 256 tokens of context), so each cost is
+also shown as a share of the step (--no-model skips that).
 """
 
 from __future__ import annotations
@@ -78,7 +79,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--k", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "int4"])
+    parser.add_argument("--no-model", action="store_true", help="skip timing the default model's forward")
     args = parser.parse_args()
+    step_ms = None if args.no_model else target_step_ms(args.batch, args.k, args.dtype)
     steps = make_steps(args.steps, args.batch, args.k)
     logging.getLogger("bench").setLevel(logging.WARNING)  # format the line, don't print it
 
@@ -97,11 +101,39 @@ def main() -> None:
         ("all sinks + log + step detail for all", lambda tmp: prometheus(tmp) + trace(tmp), "all", True),
     ]
     print(f"record_step cost, batch={args.batch}, k={args.k}, {args.steps} steps x {args.repeats} repeats")
-    print(f"{'configuration':<40} {'µs/step':>9}")
+    if step_ms is not None:
+        print(f"target forward of the step ({args.dtype}, {args.batch} x {args.k + 1} tokens): {step_ms:.1f} ms")
+    print(f"{'configuration':<40} {'µs/step':>9} {'% of step':>10}")
     with tempfile.TemporaryDirectory() as tmp:
         for name, make_sinks, detail, periodic_log in configs:
             micros = time_config(make_sinks, steps, args.k, Path(tmp), detail, periodic_log, args.repeats)
-            print(f"{name:<40} {micros:>9.1f}")
+            share = "" if step_ms is None else f"{100 * micros / 1000 / step_ms:>9.3f}%"
+            print(f"{name:<40} {micros:>9.1f} {share:>10}")
+
+
+def target_step_ms(batch: int, k: int, dtype: str, context: int = 256, repeats: int = 5) -> float:
+    """Median time of one verification forward of `batch` sequences x (k + 1) new tokens on the default model."""
+    from specd.config import EngineConfig
+    from specd.model.attention import ForwardBatch
+    from specd.model.llama import build_model
+    from specd.model.loader import load_checkpoint
+
+    config = EngineConfig(dtype=dtype, max_num_seqs=batch, max_model_len=context + k + 1)
+    ckpt = load_checkpoint("default", torch.float32 if config.int4_weights else config.torch_dtype)
+    model = build_model(ckpt.config, ckpt.state_dict, config.torch_dtype, int4=config.int4_weights)
+    cache = model.make_cache(batch, context + k + 1)
+    cache.reserve(context + k + 1)
+    slots = [cache.allocate() for _ in range(batch)]
+    for slot in slots:
+        cache.set_len(slot, context)
+    step = ForwardBatch.build([[7] * (k + 1)] * batch, slots, [context] * batch, [list(range(k + 1))] * batch)
+    model(step, cache)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        model(step, cache)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1000
 
 
 if __name__ == "__main__":

@@ -36,11 +36,10 @@ logger = logging.getLogger("specd.engine")
 
 @dataclass(frozen=True, slots=True)
 class StepResult:
-    """Deltas of one step plus what the step did (for tests and benchmarks)."""
+    """Deltas of one step and how many sequences it ran (0: nothing to do)."""
 
     deltas: list[RequestDelta]
     num_scheduled: int
-    num_tokens_forwarded: int
 
 
 class LLMEngine:
@@ -118,6 +117,7 @@ class LLMEngine:
             generator=None if params.greedy else torch.Generator().manual_seed(seed),
             arrival_time=time.monotonic(),
             k_max=k_max,
+            k_policy=policy,
             k_state=policy.initial(k_max),
             detokenizer=(
                 IncrementalDetokenizer(
@@ -195,7 +195,7 @@ class LLMEngine:
         wanted = {s.seq_id: s.k_state.k if s.k_max else 0 for s in self.scheduler.running}
         sched = self.scheduler.schedule(wanted)
         if sched.empty:
-            return StepResult(deltas, 0, 0)
+            return StepResult(deltas, 0)
         try:
             deltas.extend(self._run(sched.scheduled))
         except Exception as exc:  # one bad step must not take the engine down: fail its requests only
@@ -204,8 +204,7 @@ class LLMEngine:
                 if not work.seq.finished:
                     self._finish(work.seq, "error")
                     deltas.append(self._delta(work.seq, [], None, error=f"{type(exc).__name__}: {exc}"))
-        return StepResult(deltas, len(sched.scheduled), sum(w.num_prefill or 1 + w.num_draft
-                                                            for w in sched.scheduled))
+        return StepResult(deltas, len(sched.scheduled))
 
     def _run(self, scheduled: list[ScheduledSeq]) -> list[RequestDelta]:
         t0 = time.perf_counter()
@@ -268,10 +267,7 @@ class LLMEngine:
             self.cache.set_len(seq.slot or 0, seq.num_computed)
             counts.append((num_draft[i], result.num_accepted[i], emitted))
             if seq.k_max:
-                policy = self.policies[seq.params.speculation.k_policy] if (
-                    seq.params.speculation is not None and seq.params.speculation.k_policy
-                ) else self.policies[self.config.speculation.k_policy]
-                seq.k_state = policy.update(seq.k_state, seq.k_max, num_draft[i], result.num_accepted[i])
+                seq.k_state = seq.k_policy.update(seq.k_state, seq.k_max, num_draft[i], result.num_accepted[i])
             seq.num_steps += 1
             if seq.first_token_time is None and emitted:
                 seq.first_token_time = time.monotonic()

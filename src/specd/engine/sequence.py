@@ -10,7 +10,7 @@ import torch
 from specd.engine.outputs import TokenLogprob
 from specd.model.tokenizer import IncrementalDetokenizer
 from specd.sampling.params import SamplingParams
-from specd.spec.k_policy import KState
+from specd.spec.k_policy import KPolicy, KState
 
 
 class SeqStatus(enum.Enum):
@@ -35,6 +35,7 @@ class Sequence:
     generator: torch.Generator | None
     arrival_time: float
     k_max: int
+    k_policy: KPolicy
     k_state: KState
     detokenizer: IncrementalDetokenizer | None
     eos_token_ids: frozenset[int]
