@@ -250,14 +250,15 @@ def test_log_line_parses_back_to_interval_snapshot(scenario: Scenario) -> None:
             ("tokens_per_forward", counters.tokens_per_target_forward),
             ("tau_mean_per_request", interval.mean_acceptance_length_mean_per_request),
         ):
-            assert parsed[key] == (None if value is None else pytest.approx(value, abs=5e-5)), key
+            # The line prints 4 decimals: up to 5e-5 off, plus float rounding of the half-way case.
+            assert parsed[key] == (None if value is None else pytest.approx(value, abs=1e-4)), key
         for key, values in (
             ("per_position_acceptance", counters.per_position_acceptance),
             ("conditional", counters.conditional_acceptance),
         ):
             assert len(parsed[key]) == scenario.k_max
             for got, want in zip(parsed[key], values):
-                assert got == (None if want is None else pytest.approx(want, abs=5e-5))
+                assert got == (None if want is None else pytest.approx(want, abs=1e-4))
         assert parsed["propose_s"] == pytest.approx(interval.step_totals.propose_s, abs=1e-6)
 
 
