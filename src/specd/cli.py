@@ -25,7 +25,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("model and engine")
     g.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct GGUF), a HF dir or .gguf")
     g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "int4"],
-                   help="int4: int4 weights (exact for Q4_1 GGUFs) for decode, bfloat16 activations")
+                   help="int4: int4 weights for decode-sized matmuls (a Q4_1 GGUF's codes kept exactly), "
+                   "bfloat16 activations")
     g.add_argument("--max-num-seqs", type=int, default=8)
     g.add_argument("--max-model-len", type=int, default=2048)
     g.add_argument("--max-num-batched-tokens", type=int, default=512)

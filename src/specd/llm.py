@@ -55,7 +55,7 @@ class LLM:
         config = EngineConfig(model=model, speculation=speculation or SpeculationConfig(), **engine_kwargs)
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
-        # int4 quantizes from float32 weights, so a Q4 GGUF's grid is recovered exactly before the bf16 cast.
+        # int4 quantizes from float32 weights, so a Q4_1 GGUF's 4-bit codes are recovered before the bf16 cast.
         ckpt = load_checkpoint(config.model, torch.float32 if config.int4_weights else config.torch_dtype)
         target = build_model(
             ckpt.config, ckpt.state_dict, config.torch_dtype, max_positions=config.max_model_len,

@@ -31,7 +31,8 @@ def quantize_int4(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # packed int4 [out, in // 2] uint8, scales_and_zeros [in // 32, out, 2]
     """Asymmetric int4 per group of 32 inputs: w = scale * (q - 8) + zero, with q in 0..15.
 
-    Exact for weights dequantized from GGUF Q4_1 (each block spans q = 0..15: min and max are on its grid).
+    The codes are exact for weights dequantized from GGUF Q4_1 (each block spans q = 0..15, so its min and max
+    lie on the grid); the caller stores the scales in bfloat16, a rounding comparable to a bfloat16 weight's.
     """
     out_features, in_features = weight.shape
     groups = weight.float().view(out_features, in_features // INT4_GROUP, INT4_GROUP)
@@ -335,7 +336,8 @@ def build_model(
     """Build with `state_dict`'s HF-named weights (random init only when None), cast to dtype, pack.
 
     int4: the decoder layers' projections also get int4 copies, quantized from the weights before the cast
-    (so a Q4_1 GGUF's grid is recovered exactly); activations run in bfloat16, which int4 requires.
+    (a Q4_1 GGUF's 4-bit codes are recovered exactly; group scales are kept in bfloat16, like the activations,
+    which the int4 kernel requires).
     """
     if int4 and dtype != torch.bfloat16:
         raise ModelLoadError("dtype: int4 weights run with bfloat16 activations")
