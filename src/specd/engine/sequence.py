@@ -100,8 +100,9 @@ class Sequence:
                 self.finish_reason = "stop"
                 break
             if self.detokenizer is not None:
+                num_old_chars = len(self.text)
                 self.text += self.detokenizer.push([tok])
-                if params.stop and self._check_stop_strings():
+                if params.stop and self._check_stop_strings(num_old_chars):
                     self.finish_reason = "stop"
                     break
             if len(self.output_token_ids) >= params.max_tokens or self.num_tokens >= self.max_model_len:
@@ -109,10 +110,11 @@ class Sequence:
                 break
         return kept
 
-    def _check_stop_strings(self) -> bool:
-        # A stop string can only end inside the text added by the newest token (or straddle into it).
+    def _check_stop_strings(self, num_old_chars: int) -> bool:
+        # A stop string can only end inside the text added by the newest token (or straddle into it), and that
+        # text may be any length; older text was searched already.
         longest = max(len(s) for s in self.params.stop)
-        window_start = max(0, len(self.text) - longest - 16)
+        window_start = max(0, num_old_chars - longest + 1)
         best: tuple[int, str] | None = None
         for stop in self.params.stop:
             idx = self.text.find(stop, window_start)
