@@ -158,12 +158,17 @@ class LLM:
         params = _broadcast(sampling_params, len(texts))
         order: list[str] = []
         acc: dict[str, _Accumulator] = {}
-        for text, toks, p in zip(texts, token_lists, params):
-            rid = self.add_request(text, p, toks)
-            order.append(rid)
-            acc[rid] = _Accumulator(
-                text, self.engine.get_prompt_token_ids(rid), logprobs=[] if p.logprobs is not None else None
-            )
+        try:
+            for text, toks, p in zip(texts, token_lists, params):
+                rid = self.add_request(text, p, toks)
+                order.append(rid)
+                acc[rid] = _Accumulator(
+                    text, self.engine.get_prompt_token_ids(rid), logprobs=[] if p.logprobs is not None else None
+                )
+        except Exception:
+            for rid in order:  # all or nothing: a bad prompt must not leave the earlier ones running
+                self.abort(rid)
+            raise
         finals: dict[str, RequestDelta] = {}
         while len(finals) < len(order):
             for delta in self.step():

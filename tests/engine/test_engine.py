@@ -113,6 +113,17 @@ def test_too_long_prompt_and_invalid_values(make_llm):
     assert llm.generate(["ok"], SamplingParams(max_tokens=3, temperature=0.0))[0].outputs[0].token_ids
 
 
+def test_generate_failing_on_a_later_prompt_queues_nothing(make_llm):
+    llm = make_llm(max_model_len=32)
+    with pytest.raises(PromptTooLongError):
+        llm.generate(["ok", "y" * 40], GREEDY)
+    assert llm.engine.num_waiting == 0 and llm.engine.num_running == 0
+    # The next call is not slowed by, nor gets the output of, the abandoned first prompt.
+    out = llm.generate(["hi"], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    assert len(out) == 1 and len(out[0].outputs[0].token_ids) == 2
+    assert not llm.engine.has_unfinished()
+
+
 def test_queue_limit(make_llm):
     llm = make_llm(max_num_seqs=1, max_waiting=2)
     assert llm.engine.queue_room() == 3  # one takes the free slot at the next step, two may wait
@@ -162,3 +173,4 @@ def test_chat_uses_template(make_llm, tokenizer):
     assert out.prompt_token_ids == tokenizer.encode(out.prompt, add_special_tokens=False)
     with pytest.raises(InvalidParameterError):
         llm.chat([{"role": 3, "content": "x"}])
+
