@@ -174,3 +174,23 @@ def test_chat_uses_template(make_llm, tokenizer):
     with pytest.raises(InvalidParameterError):
         llm.chat([{"role": 3, "content": "x"}])
 
+
+
+class _FailingDetokenizer:
+    def push(self, ids):
+        raise RuntimeError("detokenizer broke")
+
+    def flush(self):
+        return ""
+
+
+def test_step_failure_keeps_the_final_delta_of_a_request_that_already_finished(make_llm):
+    llm = make_llm(max_num_seqs=2)
+    done = llm.add_request("abc", SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    bad = llm.add_request("hello", SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    llm.engine._seqs[bad].detokenizer = _FailingDetokenizer()  # fails after `done` was committed
+    finals = {d.request_id: d for d in llm.step() if d.finished}
+    assert finals[done].finish_reason == "length" and finals[done].num_output_tokens == 1
+    assert finals[done].spec_stats is not None
+    assert finals[bad].finish_reason == "error" and "detokenizer broke" in (finals[bad].error or "")
+    assert llm.engine.cache.num_used_slots == 0 and not llm.engine.has_unfinished()

@@ -197,16 +197,20 @@ class LLMEngine:
         if sched.empty:
             return StepResult(deltas, 0)
         try:
-            deltas.extend(self._run(sched.scheduled))
+            # _run appends as it commits, so a failure part-way keeps the deltas (final ones included) made so far.
+            self._run(sched.scheduled, deltas)
         except Exception as exc:  # one bad step must not take the engine down: fail its requests only
             logger.exception("step failed; aborting the %d requests in it", len(sched.scheduled))
+            for i, delta in enumerate(deltas):  # finished before the failure: their stats were not attached yet
+                if delta.finished and delta.spec_stats is None:
+                    deltas[i] = _with_stats(delta, self.recorder.finish_request(delta.request_id))
             for work in sched.scheduled:
                 if not work.seq.finished:
                     self._finish(work.seq, "error")
                     deltas.append(self._delta(work.seq, [], None, error=f"{type(exc).__name__}: {exc}"))
         return StepResult(deltas, len(sched.scheduled))
 
-    def _run(self, scheduled: list[ScheduledSeq]) -> list[RequestDelta]:
+    def _run(self, scheduled: list[ScheduledSeq], deltas: list[RequestDelta]) -> None:
         t0 = time.perf_counter()
         drafts = self._propose([w for w in scheduled if not w.is_prefill and w.num_draft > 0])
         t1 = time.perf_counter()
@@ -251,7 +255,7 @@ class LLMEngine:
         t3 = time.perf_counter()
 
         # Commit: keep what the stop rules allow, roll KV back to exactly the kept tokens.
-        deltas: list[RequestDelta] = []
+        first_delta = len(deltas)
         counts: list[tuple[int, int, int]] = []
         row = 0
         for i, work in enumerate(sampled):
@@ -289,8 +293,9 @@ class LLMEngine:
             # Finished requests: their final delta carries the final per-request stats.
             for i, w in enumerate(sampled):
                 if w.seq.finished:
-                    deltas[i] = _with_stats(deltas[i], self.recorder.finish_request(w.seq.request_id))
-        return deltas
+                    deltas[first_delta + i] = _with_stats(
+                        deltas[first_delta + i], self.recorder.finish_request(w.seq.request_id)
+                    )
 
     # ------------------------------------------------------------- helpers
     def _propose(self, decoding: list[ScheduledSeq]) -> _Drafts:
