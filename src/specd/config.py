@@ -106,9 +106,10 @@ class EngineConfig:
         _positive_int("max_num_seqs", self.max_num_seqs)
         _positive_int("max_model_len", self.max_model_len, 2)
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
-        if self.max_num_batched_tokens < self.speculation.num_speculative_tokens + 1:
+        if self.max_num_batched_tokens < max(self.max_num_seqs, self.speculation.num_speculative_tokens + 1):
             raise InvalidParameterError(
-                "max_num_batched_tokens", "must be at least num_speculative_tokens + 1"
+                "max_num_batched_tokens",
+                "must be at least max_num_seqs (one token per running sequence) and num_speculative_tokens + 1",
             )
         _positive_int("max_waiting", self.max_waiting, 0)
         if self.log_stats_interval_s < 0:

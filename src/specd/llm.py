@@ -53,8 +53,6 @@ class LLM:
         from specd.model.loader import load_checkpoint
 
         config = EngineConfig(model=model, speculation=speculation or SpeculationConfig(), **engine_kwargs)
-        if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)
         # int4 quantizes from float32 weights, so a Q4_1 GGUF's 4-bit codes are recovered before the bf16 cast.
         ckpt = load_checkpoint(config.model, torch.float32 if config.int4_weights else config.torch_dtype)
         target = build_model(
@@ -146,8 +144,8 @@ class LLM:
         prompt_token_ids: Sequence[Sequence[int]] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt (text, or token ids) with continuous batching; outputs in input order."""
-        if prompts is None and prompt_token_ids is None:
-            raise InvalidParameterError("prompts", "give prompts or prompt_token_ids")
+        if (prompts is None) == (prompt_token_ids is None):
+            raise InvalidParameterError("prompts", "give either prompts or prompt_token_ids (exactly one)")
         texts: list[str | None]
         if prompt_token_ids is not None:
             token_lists: list[list[int] | None] = [list(t) for t in prompt_token_ids]

@@ -194,3 +194,36 @@ def test_step_failure_keeps_the_final_delta_of_a_request_that_already_finished(m
     assert finals[done].spec_stats is not None
     assert finals[bad].finish_reason == "error" and "detokenizer broke" in (finals[bad].error or "")
     assert llm.engine.cache.num_used_slots == 0 and not llm.engine.has_unfinished()
+
+
+def test_tight_token_budget_shrinks_k_instead_of_starving_sequences(make_llm, tiny_model):
+    from specd.config import SpeculationConfig
+    from specd.spec.draft import DraftModelProposer
+
+    # 4 sequences, k = 4, budget 6: prompts still get prefilled while others speculate, and once all decode,
+    # every sequence gets a token each step.
+    llm = make_llm(SpeculationConfig(method="layerskip", num_speculative_tokens=4), max_num_seqs=4,
+                   max_num_batched_tokens=6, proposer=DraftModelProposer(tiny_model, "self", 4, 256))
+    ids = [llm.add_request(p, SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)) for p in PROMPTS[:4]]
+    for _ in range(60):
+        if not (llm.engine.scheduler.waiting or any(s.is_prefilling for s in llm.engine.scheduler.running)):
+            break
+        llm.step()
+    assert not any(s.is_prefilling for s in llm.engine.scheduler.running)
+    for _ in range(3):
+        got = {d.request_id for d in llm.step() if d.new_token_ids}
+        assert set(ids) <= got
+
+
+def test_budget_must_cover_every_running_sequence():
+    from specd.config import EngineConfig
+
+    with pytest.raises(InvalidParameterError) as e:
+        EngineConfig(max_num_seqs=16, max_num_batched_tokens=8)
+    assert e.value.field == "max_num_batched_tokens"
+
+
+def test_generate_takes_prompts_or_token_ids_not_both(make_llm):
+    with pytest.raises(InvalidParameterError) as e:
+        make_llm().generate(["a"], GREEDY, prompt_token_ids=[[5, 6]])
+    assert e.value.field == "prompts"

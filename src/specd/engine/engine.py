@@ -279,8 +279,9 @@ class LLMEngine:
             if seq.finish_reason is not None:
                 self._finish(seq, seq.finish_reason)
             deltas.append(self._delta(seq, new, seq.logprobs[-emitted:] if seq.logprobs and emitted else None))
+        sampled_ids = {w.seq.seq_id for w in sampled}
         for work in scheduled:
-            if work.is_prefill and work not in sampled:
+            if work.is_prefill and work.seq.seq_id not in sampled_ids:
                 work.seq.num_computed += work.num_prefill
                 self.cache.set_len(work.seq.slot or 0, work.seq.num_computed)
                 work.seq.num_steps += 1

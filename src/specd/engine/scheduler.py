@@ -15,7 +15,7 @@ from specd.engine.sequence import SeqStatus, Sequence
 from specd.model.kv_cache import KVCache
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class ScheduledSeq:
     """One sequence's work this step: a prefill chunk of `num_prefill` prompt tokens, or a decode asking
     for `num_draft` draft tokens (0 = plain decode)."""
@@ -75,15 +75,20 @@ class Scheduler:
 
         budget = self.max_num_batched_tokens
         work: list[ScheduledSeq] = []
-        decoding = [s for s in self.running if not s.is_prefilling]
+        # Every decoding sequence gets its one token first (EngineConfig guarantees the budget covers them),
+        # then draft tokens are handed out from what is left, so a tight budget shrinks k instead of starving
+        # some sequences. While prompts wait to be prefilled, drafts may take at most half of what is left,
+        # so speculation never stalls admission.
+        decoding = [s for s in self.running if not s.is_prefilling][:budget]
+        budget -= len(decoding)
+        prefill_pending = any(s.is_prefilling for s in self.running)
+        draft_budget = budget // 2 if prefill_pending else budget
         for seq in decoding:
-            if budget <= 0:
-                break
             # With k drafts up to k + 1 tokens are emitted; drafting more than can be kept is waste.
-            k = min(wanted_draft.get(seq.seq_id, 0), seq.max_new_this_step() - 1, budget - 1)
-            k = max(0, k)
+            k = max(0, min(wanted_draft.get(seq.seq_id, 0), seq.max_new_this_step() - 1, draft_budget))
             work.append(ScheduledSeq(seq, 0, k))
-            budget -= 1 + k
+            draft_budget -= k
+            budget -= k
         for seq in self.running:
             if budget <= 0:
                 break

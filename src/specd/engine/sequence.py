@@ -19,7 +19,7 @@ class SeqStatus(enum.Enum):
     FINISHED = "finished"
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # identity equality: membership tests must not compare every field
 class Sequence:
     """Mutable per-request state, owned by the engine thread.
 

@@ -10,9 +10,10 @@ Design (chosen for CPU decoding, where copying KV is as expensive as reading wei
   `grow_step` tokens) start small and are enlarged, by reallocating and copying once, only when a sequence
   actually needs more. Growth is amortised (geometric in slots, chunked in length). `budget_tokens` caps the
   slot x capacity product so the engine can refuse work instead of exhausting RAM.
-* Each slot has its own committed length. Rolling a sequence back by r tokens is `seq_lens[slot] -= r`:
-  O(1), no copying; the stale entries are simply overwritten by the next write at those positions, and
-  attention masks everything at or beyond a sequence's length.
+* Each slot has its own committed length (`seq_lens`, kept by `set_len`). Rolling a sequence back by r
+  tokens is setting it r lower: O(1), no copying; the stale entries are overwritten by the next write at
+  those positions, and attention never reads them because it masks by the positions of each forward
+  (a sequence's keys are read up to its start position plus its new tokens).
 * A freed slot is returned to the free list immediately (finish or abort); its stale contents are never
   read because the next owner starts at length 0.
 """

@@ -80,7 +80,6 @@ class DraftModelProposer:
             starts[i] = start
             feed[i] = list(tokens[start:])
             self._cached[seqs[i].seq_id] = list(tokens[:start])
-        step = 0
         while active:
             batch = ForwardBatch.build(
                 [feed[i] for i in active],
@@ -109,7 +108,6 @@ class DraftModelProposer:
                     starts[i] += len(feed[i])
                     feed[i] = [tokens[row]]
             active = still
-            step += 1
         rows = [p for per_seq in probs_per_seq for p in per_seq]
         draft_probs = torch.stack(rows) if rows else None  # [total_drafts, vocab_size]
         return Proposal(drafts, draft_probs)
