@@ -6,6 +6,8 @@ except those on the real default model (marked `integration`), which use torch's
 """
 
 import os
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -38,3 +40,30 @@ def tiny_model():
 @pytest.fixture(scope="session")
 def tokenizer():
     return Tokenizer.for_tests(320)
+
+
+def _ratio(numerator: float, denominator: float) -> float | None:
+    return numerator / denominator if denominator else None
+
+
+def _pooled_from_counters(c: dict[str, Any]) -> dict[str, Any]:
+    """The pooled derived values of docs/metrics.md recomputed from plain counters (None for 0/0), written
+    independently of specd.metrics so tests can check every sink against the definitions."""
+    mean_accepted = _ratio(c["accepted_tokens"], c["drafts"])
+    return {
+        "acceptance_rate_pooled": _ratio(c["accepted_tokens"], c["draft_tokens"]),
+        "mean_accepted_length_pooled": mean_accepted,
+        "mean_acceptance_length_pooled": None if mean_accepted is None else 1.0 + mean_accepted,
+        "emitted_per_draft_pooled": _ratio(c["emitted_tokens"], c["drafts"]),
+        "mean_proposed_length_pooled": _ratio(c["draft_tokens"], c["drafts"]),
+        "tokens_per_target_forward_pooled": _ratio(
+            c["emitted_tokens"] + c["nonspec_tokens"], c["drafts"] + c["nonspec_seq_steps"]
+        ),
+        "per_position_acceptance_pooled": [_ratio(a, d) for a, d in zip(c["accepted_at"], c["drafted_at"])],
+        "conditional_acceptance_pooled": [_ratio(a, r) for a, r in zip(c["accepted_at"], c["reached_at"])],
+    }
+
+
+@pytest.fixture(scope="session")
+def pooled_from_counters() -> Callable[[dict[str, Any]], dict[str, Any]]:
+    return _pooled_from_counters

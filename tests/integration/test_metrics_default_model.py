@@ -42,25 +42,6 @@ SCALAR_COUNTERS = [name for name in LOG_KEYS if name not in ("drafted_at", "reac
                                                               "accepted_length_hist")]
 
 
-def _pooled_from(c: dict[str, Any]) -> dict[str, Any]:
-    """The pooled derived values docs/metrics.md defines, from plain counters (None for 0/0)."""
-
-    def ratio(numerator: float, denominator: float) -> float | None:
-        return numerator / denominator if denominator else None
-
-    mean_accepted = ratio(c["accepted_tokens"], c["drafts"])
-    return {
-        "acceptance_rate_pooled": ratio(c["accepted_tokens"], c["draft_tokens"]),
-        "mean_accepted_length_pooled": mean_accepted,
-        "mean_acceptance_length_pooled": None if mean_accepted is None else 1.0 + mean_accepted,
-        "emitted_per_draft_pooled": ratio(c["emitted_tokens"], c["drafts"]),
-        "mean_proposed_length_pooled": ratio(c["draft_tokens"], c["drafts"]),
-        "tokens_per_target_forward_pooled": ratio(
-            c["emitted_tokens"] + c["nonspec_tokens"], c["drafts"] + c["nonspec_seq_steps"]
-        ),
-        "per_position_acceptance_pooled": [ratio(a, d) for a, d in zip(c["accepted_at"], c["drafted_at"])],
-        "conditional_acceptance_pooled": [ratio(a, r) for a, r in zip(c["accepted_at"], c["reached_at"])],
-    }
 
 
 def _from_log(lines: list[dict[str, Any]]) -> dict[str, Any]:
@@ -94,7 +75,7 @@ def _from_prometheus(registry: CollectorRegistry) -> dict[str, Any]:
     return out
 
 
-def test_four_metric_views_agree_on_the_default_model(tmp_path, caplog) -> None:
+def test_four_metric_views_agree_on_the_default_model(tmp_path, caplog, pooled_from_counters) -> None:
     trace_path = tmp_path / "trace.jsonl"
     registry = CollectorRegistry()
     sink = PrometheusSink(registry, K_MAX, model="default", proposer="ngram")
@@ -124,12 +105,12 @@ def test_four_metric_views_agree_on_the_default_model(tmp_path, caplog) -> None:
     assert sum(line["finished_requests"] for line in lines) == len(MESSAGES)
     # 2. get_metrics(): its derived values are its counters' ratios; the same ratios from every view below.
     pooled = {key: value for key, value in metrics["derived"].items() if key.endswith("_pooled")}
-    assert _pooled_from(counters) == pooled
-    assert _pooled_from(summed) == pooled
+    assert pooled_from_counters(counters) == pooled
+    assert pooled_from_counters(summed) == pooled
     # 3. Prometheus.
     scraped = _from_prometheus(registry)
     assert scraped == ints
-    assert _pooled_from(scraped) == pooled
+    assert pooled_from_counters(scraped) == pooled
     # 4. Trace recount.
     records = read_trace(trace_path)
     recounted = recount(records, K_MAX).to_dict()

@@ -59,25 +59,6 @@ LOG_DERIVED = {
 
 
 # ----------------------------------------------------------------------------------------- helpers
-def _ratio(numerator: float, denominator: float) -> float | None:
-    return numerator / denominator if denominator else None
-
-
-def _derived_from_counters(c: dict[str, Any]) -> dict[str, Any]:
-    """Pooled derived values recomputed from plain counters, by the formulas of docs/metrics.md."""
-    mean_accepted = _ratio(c["accepted_tokens"], c["drafts"])
-    return {
-        "acceptance_rate_pooled": _ratio(c["accepted_tokens"], c["draft_tokens"]),
-        "mean_accepted_length_pooled": mean_accepted,
-        "mean_acceptance_length_pooled": None if mean_accepted is None else 1.0 + mean_accepted,
-        "emitted_per_draft_pooled": _ratio(c["emitted_tokens"], c["drafts"]),
-        "mean_proposed_length_pooled": _ratio(c["draft_tokens"], c["drafts"]),
-        "tokens_per_target_forward_pooled": _ratio(
-            c["emitted_tokens"] + c["nonspec_tokens"], c["drafts"] + c["nonspec_seq_steps"]
-        ),
-        "per_position_acceptance_pooled": [_ratio(a, d) for a, d in zip(c["accepted_at"], c["drafted_at"])],
-        "conditional_acceptance_pooled": [_ratio(a, r) for a, r in zip(c["accepted_at"], c["reached_at"])],
-    }
 
 
 def _pooled(derived: dict[str, Any]) -> dict[str, Any]:
@@ -287,18 +268,18 @@ def test_per_request_stats_add_up_to_the_global_counters_and_the_tokens(run: Run
         )
 
 
-def test_get_metrics_derived_values_follow_from_its_counters(run: Run) -> None:
-    assert _pooled(run.metrics["derived"]) == _derived_from_counters(run.metrics["counters"])
+def test_get_metrics_derived_values_follow_from_its_counters(run: Run, pooled_from_counters) -> None:
+    assert _pooled(run.metrics["derived"]) == pooled_from_counters(run.metrics["counters"])
 
 
-def test_log_lines_sum_to_get_metrics(run: Run) -> None:
+def test_log_lines_sum_to_get_metrics(run: Run, pooled_from_counters) -> None:
     c = run.metrics["counters"]
     assert len(run.log_lines) >= c["steps"] - 1 >= 10
     summed: dict[str, Any] = {}
     for line in run.log_lines:
         line_counters = {name: line[key] for key, name in LOG_COUNTERS.items()}
         # Each line agrees with itself: its derived values are its own counters' ratios, to 4 decimals.
-        line_derived = _derived_from_counters(line_counters)
+        line_derived = pooled_from_counters(line_counters)
         for key, name in LOG_DERIVED.items():
             expected = line_derived[name]
             assert line[key] == (None if expected is None else round(expected, 4)), key
@@ -310,12 +291,12 @@ def test_log_lines_sum_to_get_metrics(run: Run) -> None:
     assert summed == {name: c[name] for name in LOG_COUNTERS.values()}
     assert sum(line["finished_requests"] for line in run.log_lines) == len(run.outputs)
     # Derived values of the whole run, recomputed from the summed lines, equal get_metrics() exactly.
-    assert _derived_from_counters(summed) == _pooled(run.metrics["derived"])
+    assert pooled_from_counters(summed) == _pooled(run.metrics["derived"])
     for key in SECONDS:  # printed with 6 decimals per line
         assert sum(line[key] for line in run.log_lines) == pytest.approx(c[key], abs=1e-6 * len(run.log_lines))
 
 
-def test_prometheus_equals_get_metrics(run: Run) -> None:
+def test_prometheus_equals_get_metrics(run: Run, pooled_from_counters) -> None:
     c = run.metrics["counters"]
     labels = (("model", MODEL_LABEL), ("proposer", "ngram"))
     prom = run.prometheus
@@ -350,7 +331,7 @@ def test_prometheus_equals_get_metrics(run: Run) -> None:
     ] == c["accepted_at"]
     # Pooled derived values computed from the scraped counters (as PromQL would) equal get_metrics() exactly.
     scraped = {**scalars, **per_position, "accepted_length_hist": c["accepted_length_hist"]}
-    assert _derived_from_counters(scraped) == _pooled(run.metrics["derived"])
+    assert pooled_from_counters(scraped) == _pooled(run.metrics["derived"])
 
     per_request = run.metrics["per_request"]
     tau_count = per_request["defined_counts"]["mean_acceptance_length"]

@@ -78,11 +78,21 @@ def _make_llm(model, tokenizer, registry: CollectorRegistry | None = None, **kw)
 
 @pytest.fixture(scope="session")
 def make_llm(tiny_model, tokenizer):
-    """make_llm(registry=None, **EngineConfig fields): an LLM over the tiny model; with a registry, a
-    PrometheusSink is registered in it."""
+    """make_llm(registry=None, step_delay_s=0, **EngineConfig fields): an LLM over the tiny model; with a
+    registry, a PrometheusSink is registered in it; step_delay_s sleeps before every engine step."""
 
-    def make(registry: CollectorRegistry | None = None, **kw) -> LLM:
-        return _make_llm(tiny_model, tokenizer, registry, **kw)
+    def make(registry: CollectorRegistry | None = None, step_delay_s: float = 0.0, **kw) -> LLM:
+        llm = _make_llm(tiny_model, tokenizer, registry, **kw)
+        if step_delay_s:
+            # Slow the engine down so a long request is still running when a test acts on it.
+            step = llm.step
+
+            def slow_step() -> list:
+                time.sleep(step_delay_s)
+                return step()
+
+            llm.step = slow_step
+        return llm
 
     return make
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections.abc import Iterator
 
 import httpx
@@ -137,14 +136,8 @@ def test_errors_are_counted(spec_server):
 def slow_server(make_llm, start_server):
     """One KV slot, a waiting queue of one, and ~20 ms per step, so a long request holds the slot."""
     registry = CollectorRegistry()
-    llm = make_llm(registry, max_num_seqs=1, max_waiting=1, speculation=SpeculationConfig(method="ngram"))
-    step = llm.step
-
-    def slow_step():
-        time.sleep(0.02)
-        return step()
-
-    llm.step = slow_step
+    llm = make_llm(registry, step_delay_s=0.02, max_num_seqs=1, max_waiting=1,
+                   speculation=SpeculationConfig(method="ngram"))
     with start_server(llm, registry) as live:
         yield live
 

@@ -19,14 +19,8 @@ LONG = {"prompt": "abc", "max_tokens": 200, "ignore_eos": True}
 def server(make_llm, start_server):
     """Two KV slots and ~10 ms per step, so a 200-token request is still running when the client leaves."""
     registry = CollectorRegistry()
-    llm = make_llm(registry, max_num_seqs=2, speculation=SpeculationConfig(method="ngram", k_policy="heuristic"))
-    step = llm.step
-
-    def slow_step():
-        time.sleep(0.01)
-        return step()
-
-    llm.step = slow_step
+    llm = make_llm(registry, step_delay_s=0.01, max_num_seqs=2,
+                   speculation=SpeculationConfig(method="ngram", k_policy="heuristic"))
     with start_server(llm, registry) as live:
         yield live
 
