@@ -61,6 +61,28 @@ def test_float32_matches_transformers_tightly():
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])  # tied LM head; untied LM head + q/k/v bias
+def test_packed_float32_weights_match_transformers_for_decode_and_verification(model_type):
+    hf, ours = _pair(model_type, {}, dtype=torch.float32)
+    if torch.backends.mkldnn.is_available():
+        # pack() swapped the dense weights for oneDNN's blocked copies: no second copy stays in memory.
+        assert ours.layers[0].qkv_proj.weight is None and ours.layers[0].qkv_proj.packed is not None
+        assert (ours.lm_head is None) == (ours.tied_head_packed is not None)
+    reference = {k: v.float() for k, v in hf.state_dict().items()}
+    ours_dense = ours.hf_state_dict()
+    for name in ("model.layers.1.self_attn.k_proj.weight", "model.layers.0.mlp.down_proj.weight"):
+        torch.testing.assert_close(ours_dense[name], reference[name], rtol=0, atol=0)
+    torch.manual_seed(4)
+    ids = torch.randint(0, 320, (1, 24))
+    ref = hf(ids).logits[0]
+    cache = ours.make_cache(1, 64)
+    slot = cache.allocate()
+    parts = [_run(ours, cache, slot, ids[0, :12].tolist(), 0)]
+    parts += [_run(ours, cache, slot, ids[0, t : t + 1].tolist(), t) for t in range(12, 18)]  # 1-row GEMMs
+    parts.append(_run(ours, cache, slot, ids[0, 18:24].tolist(), 18))  # a 6-row verification chunk
+    torch.testing.assert_close(torch.cat(parts), ref, rtol=1e-4, atol=1e-4)
+
+
 def test_ragged_batch_equals_each_alone():
     hf, ours = _pair("qwen2", {})
     torch.manual_seed(2)

@@ -45,21 +45,43 @@ def quantize_int4(
     return packed, scales_and_zeros
 
 
+def mkldnn_pack(weight: torch.Tensor) -> torch.Tensor | None:  # [out, in] -> opaque blocked copy, or None
+    """oneDNN's pre-blocked copy of a float32/bfloat16 CPU weight, when oneDNN is available.
+
+    Measured on a 2-core AVX-512 CPU, the pre-blocked GEMM is 1.6-2x faster than `F.linear` for 1-16 rows in
+    bfloat16 (bit-identical results) and 1.4-4x faster in float32, where MKL's plain small-M GEMM is slowest.
+    Decode and verification are small-M, so this layout decides whether a verification step is cheap.
+    """
+    if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
+        return None
+    if not torch.backends.mkldnn.is_available():
+        return None
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)
+
+
+def mkldnn_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None  # x: [num_tokens, in]
+) -> torch.Tensor:  # [num_tokens, out]
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 class Linear(nn.Module):
     """y = x W^T + b, with W stored [out, in] as in Hugging Face checkpoints until `pack()`.
 
-    `pack()` re-lays float32/float64 weights out as [in, out]: on CPU, MKL's small-M float32 GEMM streams that
-    layout ~1.4x faster (decode and verification are small-M), while bfloat16 is fastest as is.
-    `add_int4()` (for bfloat16 models) adds an int4 copy used for up to INT4_MAX_ROWS rows (decode and short
-    verification), where reading 4-bit weights makes the memory-bound GEMM several times faster; larger
-    batches and prefill use the dense bfloat16 weight.
+    `pack()` (after loading and casting) replaces a float32/bfloat16 weight by oneDNN's pre-blocked copy (see
+    `mkldnn_pack`); float64 (tests) keeps the dense weight. `hf_weight` gives the dense [out, in] weight either
+    way. `add_int4()` (for bfloat16 models) adds an int4 copy used for up to INT4_MAX_ROWS rows (decode and
+    short verification), where reading 4-bit weights makes the memory-bound GEMM several times faster; larger
+    batches and prefill use the bfloat16 weight.
     """
+
+    weight: nn.Parameter | None
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
-        self.transposed = False
+        self.packed: torch.Tensor | None = None
         self.int4: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def add_int4(self) -> None:
@@ -68,23 +90,27 @@ class Linear(nn.Module):
         self.int4 = (packed, scales_and_zeros.to(torch.bfloat16))
 
     def pack(self) -> None:
-        if self.transposed or self.weight.dtype not in (torch.float32, torch.float64):
+        if self.packed is not None or self.weight is None:
             return
-        self.weight = nn.Parameter(self.weight.detach().t().contiguous(), requires_grad=False)
-        self.transposed = True
+        self.packed = mkldnn_pack(self.weight)
+        if self.packed is not None:
+            self.weight = None  # the blocked copy replaces it: no second copy of the weights in memory
 
     @property
     def hf_weight(self) -> torch.Tensor:  # [out_features, in_features]
-        return self.weight.t() if self.transposed else self.weight
+        if self.weight is not None:
+            return self.weight
+        assert self.packed is not None
+        return self.packed.to_dense()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in] -> [num_tokens, out]
         if self.int4 is not None and x.shape[0] <= INT4_MAX_ROWS:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.int4[0], INT4_GROUP, self.int4[1])
             return y if self.bias is None else y + self.bias
-        if not self.transposed:
-            return F.linear(x, self.weight, self.bias)
-        y = x @ self.weight
-        return y if self.bias is None else y + self.bias
+        if self.packed is not None:
+            return mkldnn_linear(x, self.packed, self.bias)
+        assert self.weight is not None
+        return F.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -199,25 +225,25 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList([DecoderLayer(config, i) for i in range(config.num_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = (
-            None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         self.rotary = Rotary(config, max_positions or config.max_position_embeddings)
-        self.lm_head_t: torch.Tensor | None = None  # [hidden_size, vocab_size] after pack() (float32/64)
+        self.tied_head_packed: torch.Tensor | None = None  # blocked copy of the tied embeddings after pack()
 
     @property
     def lm_head_weight(self) -> torch.Tensor:  # [vocab_size, hidden_size]
-        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.hf_weight
 
     def pack(self) -> None:
         """Lay weights out for fast small-M matmuls on CPU (see Linear.pack). Call after loading and casting.
 
-        For float32/64 the LM head gets a transposed copy (with tied embeddings the lookup table stays too).
+        With tied embeddings the LM head gets its own blocked copy (the lookup table stays dense).
         """
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
-        if self.lm_head_weight.dtype in (torch.float32, torch.float64):
-            self.lm_head_t = self.lm_head_weight.detach().t().contiguous()
+        if self.lm_head is None and self.tied_head_packed is None:
+            self.tied_head_packed = mkldnn_pack(self.embed_tokens.weight)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -253,7 +279,12 @@ class LlamaForCausalLM(nn.Module):
         for layer in layers:
             hidden = layer(hidden, rope, cache, meta)
         hidden = self.norm(hidden[batch.logits_indices])  # [num_logit_rows, hidden_size]
-        logits = hidden @ self.lm_head_t if self.lm_head_t is not None else F.linear(hidden, self.lm_head_weight)
+        if self.lm_head is not None:
+            logits = self.lm_head(hidden)  # [num_logit_rows, vocab_size]
+        elif self.tied_head_packed is not None:
+            logits = mkldnn_linear(hidden, self.tied_head_packed, None)
+        else:
+            logits = F.linear(hidden, self.embed_tokens.weight)
         # float64 models (tests) keep float64 logits so near-ties cannot flip; others compute in float32.
         return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
@@ -273,7 +304,7 @@ class LlamaForCausalLM(nn.Module):
             self.embed_tokens.weight.copy_(take("model.embed_tokens.weight"))
             self.norm.weight.copy_(take("model.norm.weight"))
             if self.lm_head is not None:
-                self.lm_head.weight.copy_(take("lm_head.weight"))
+                self.lm_head.hf_weight.copy_(take("lm_head.weight"))
             for i, layer in enumerate(self.layers):
                 p = f"model.layers.{i}."
                 a = p + "self_attn."
@@ -300,12 +331,12 @@ class LlamaForCausalLM(nn.Module):
             raise ModelLoadError(f"checkpoint is missing tensor(s): {', '.join(missing[:5])}")
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """The inverse of load_hf_state_dict (views of our fused weights under HF names)."""
+        """The inverse of load_hf_state_dict: our fused weights under HF names (views, or dense copies once packed)."""
         c = self.config
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         out = {"model.embed_tokens.weight": self.embed_tokens.weight, "model.norm.weight": self.norm.weight}
         if self.lm_head is not None:
-            out["lm_head.weight"] = self.lm_head.weight
+            out["lm_head.weight"] = self.lm_head.hf_weight
         for i, layer in enumerate(self.layers):
             p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
             for n, w in zip("qkv", layer.qkv_proj.hf_weight.split([q_size, kv_size, kv_size])):
@@ -350,7 +381,7 @@ def build_model(
         model.rotary = Rotary(config, max_positions or config.max_position_embeddings)
         model.load_hf_state_dict(state_dict)
     if int4:
-        for module in model.modules():
+        for module in model.layers.modules():
             if isinstance(module, Linear):
                 module.add_int4()
     model = model.to(dtype).eval()
