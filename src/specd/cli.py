@@ -35,7 +35,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     s = parser.add_argument_group("speculation")
     s.add_argument("--spec", default="off", choices=["off", "ngram", "draft", "layerskip"])
     s.add_argument("--num-spec-tokens", type=int, default=4, help="k_max: most draft tokens per sequence per step")
-    s.add_argument("--k-policy", default="fixed", choices=["fixed", "heuristic", "confidence"])
+    s.add_argument("--k-policy", default="fixed", choices=["fixed", "heuristic", "confidence", "goodput"])
     s.add_argument("--draft-model", default=None, help="draft model (HF dir or .gguf) for --spec draft")
     s.add_argument("--draft-layers", type=int, default=None, help="layers used by --spec layerskip")
     s.add_argument("--ngram-min", type=int, default=1)

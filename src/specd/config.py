@@ -9,7 +9,7 @@ import torch
 from specd.errors import InvalidParameterError
 
 SPEC_METHODS = ("off", "ngram", "draft", "layerskip")
-K_POLICIES = ("fixed", "heuristic", "confidence")
+K_POLICIES = ("fixed", "heuristic", "confidence", "goodput")
 # "int4": weight-only int4 (group 32) for decode-sized matmuls, bfloat16 activations and dense fallback.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int4": torch.bfloat16, "float64": torch.float64}
 
@@ -28,8 +28,10 @@ class SpeculationConfig:
     num_speculative_tokens: k_max, the most draft tokens per sequence per step.
     k_policy: "fixed" (k_i = k_max), "heuristic" (+2 after a fully accepted draft, -1 otherwise, per
     sequence, within [0, k_max]; a sequence at 0 probes again with k = 1 after `heuristic_probe_interval`
-    steps) or "confidence" (model-based proposers stop drafting once the draft's own probability of its
-    token falls below `confidence_threshold`).
+    steps), "confidence" (model-based proposers stop drafting once the draft's own probability of its
+    token falls below `confidence_threshold`) or "goodput" (ngram: each step, verify only the draft tokens
+    whose expected acceptance, learned online per match length, pays for their measured verification cost;
+    see specd/spec/goodput.py).
     """
 
     method: str = "off"
@@ -63,6 +65,10 @@ class SpeculationConfig:
         if self.k_policy == "confidence" and self.method == "ngram":
             raise InvalidParameterError(
                 "speculation.k_policy", "'confidence' needs a model-based proposer (draft or layerskip)"
+            )
+        if self.k_policy == "goodput" and self.method != "ngram":
+            raise InvalidParameterError(
+                "speculation.k_policy", "'goodput' needs the ngram proposer, whose drafts cost nothing to cut"
             )
         _positive_int("speculation.heuristic_probe_interval", self.heuristic_probe_interval)
 

@@ -198,8 +198,15 @@ class LLM:
         return [_replace_prompt(o, p) for o, p in zip(outs, prompts)]
 
     def get_metrics(self) -> dict[str, Any]:
-        """Cumulative speculation metrics (JSON-ready), same definitions as every other sink."""
-        return self.engine.recorder.snapshot().to_dict()
+        """Cumulative speculation metrics (JSON-ready), same definitions as every other sink.
+
+        With the goodput k policy, "goodput_policy" adds the estimates it decides from (throughput, forward
+        time by new tokens, acceptance by match length and position).
+        """
+        metrics = self.engine.recorder.snapshot().to_dict()
+        if self.engine.goodput is not None and self.engine.config.speculation.k_policy == "goodput":
+            metrics["goodput_policy"] = self.engine.goodput.snapshot()
+        return metrics
 
     def _output(self, rid: str, acc: _Accumulator, final: RequestDelta) -> RequestOutput:
         timings = final.timings or RequestTimings(0.0, None, None, 0)

@@ -37,8 +37,9 @@ def _spec(method, k, policy, **extra):
 @pytest.mark.parametrize("k", [1, 3, 6])
 @pytest.mark.parametrize(
     ("method", "policy"),
-    [("ngram", "fixed"), ("ngram", "heuristic"), ("layerskip", "fixed"), ("layerskip", "heuristic"),
-     ("layerskip", "confidence"), ("draft", "fixed"), ("draft", "heuristic"), ("draft", "confidence")],
+    [("ngram", "fixed"), ("ngram", "heuristic"), ("ngram", "goodput"), ("layerskip", "fixed"),
+     ("layerskip", "heuristic"), ("layerskip", "confidence"), ("draft", "fixed"), ("draft", "heuristic"),
+     ("draft", "confidence")],
 )
 def test_greedy_lossless_every_proposer_and_policy(make_llm, tiny_model, draft_model, method, policy, k):
     plain = _plain(make_llm)
@@ -230,3 +231,34 @@ def test_sampled_speculation_matches_target_distribution(tiny_vocab_models, meth
         assert pvalue < 0.001, f"the test failed to catch a wrong residual (p={pvalue:.2e})"
     else:
         assert pvalue > 0.001, f"speculative samples differ from the target distribution (p={pvalue:.2e})"
+
+
+@pytest.mark.parametrize("slope_s", [0.0, 1.0])
+def test_goodput_verifies_only_drafts_that_pay_and_stays_lossless(make_llm, monkeypatch, slope_s):
+    plain = _plain(make_llm)
+    llm = make_llm(_spec("ngram", 6, "goodput"), max_num_seqs=4)
+    planner = llm.engine.goodput
+    assert planner is not None
+    # Free verification keeps every draft; a second per extra token (vs ms-scale steps) makes none pay.
+    monkeypatch.setattr(planner, "marginal_seconds", lambda base_tokens, max_extra: slope_s)
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    metrics = llm.get_metrics()
+    if slope_s == 0.0:
+        assert metrics["counters"]["drafts"] > 0
+    else:
+        assert metrics["counters"]["drafts"] == 0
+    estimates = metrics["goodput_policy"]
+    assert estimates["rate_tokens_per_s"] > 0 and estimates["accept_prob_by_bucket_and_position"] is not None
+
+
+def test_goodput_override_needs_an_ngram_engine(make_llm):
+    llm = make_llm(_spec("layerskip", 3, "fixed", draft_layers=1))
+    params = SamplingParams(max_tokens=4, speculation=SpecOverride(k_policy="goodput"))
+    with pytest.raises(Exception, match=r"speculation\.k_policy"):
+        llm.generate(["hello"], params)
+    ngram = make_llm(_spec("ngram", 3, "fixed"))
+    out = ngram.generate(PROMPTS, SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True,
+                                                 speculation=SpecOverride(k_policy="goodput")))
+    assert [o.outputs[0].token_ids for o in out] == _plain(make_llm)
+    assert ngram.get_metrics()["counters"]["drafts"] > 0

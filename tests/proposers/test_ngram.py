@@ -244,3 +244,13 @@ def test_index_work_is_proportional_to_new_tokens_not_length() -> None:
     tokens = tokens[:-3]
     assert _propose_one(proposer, 0, tokens, 4) == _reference(tokens, 4, 1, 4)
     assert proposer.num_index_writes - before > len(tokens)
+
+
+def test_draft_bucket_is_the_matched_suffix_length() -> None:
+    proposer = NgramProposer(NgramConfig(min_match=1, max_match=3))
+    tokens = [1, 2, 3, 100, 0, 3, 200, 0, 1, 2, 3]
+    views = [_view(0, tokens), _view(1, [7, 8, 9]), _view(2, [5, 6, 5])]
+    proposal = proposer.propose(views, [2, 2, 0])
+    # [1, 2, 3] matched (n = 3); nothing recurs in [7, 8, 9] (0, no draft); k = 0 is not looked up (0).
+    assert proposal.draft_token_ids == [[100, 0], [], []]
+    assert proposal.draft_buckets == [3, 0, 0]

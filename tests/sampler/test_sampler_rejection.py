@@ -184,3 +184,32 @@ def test_rejects_inconsistent_shapes() -> None:
         rejection_sample(target_probs, torch.tensor([0, 1]), torch.ones(2, 5), [2], [None])
     with pytest.raises(ValueError, match="generators"):
         rejection_sample(target_probs, torch.tensor([0, 1]), None, [2], [None, None])
+
+
+def test_greedy_verify_equals_the_general_sampler_on_one_hot_distributions() -> None:
+    from specd.sampling.params import SamplingParams
+    from specd.sampling.processing import build_sampling_batch, logits_to_probs
+    from specd.sampling.rejection import greedy_verify
+
+    rng = torch.Generator().manual_seed(5)
+    for trial in range(200):
+        num_draft = torch.randint(0, 5, (int(torch.randint(1, 5, (1,), generator=rng)),), generator=rng).tolist()
+        rows = sum(num_draft) + len(num_draft)
+        # Small integer logits over a small vocabulary: ties and exact draft hits are frequent.
+        logits = torch.randint(0, 3, (rows, VOCAB), generator=rng).float()
+        argmax = logits.argmax(dim=-1).tolist()
+        drafts: list[int] = []
+        row = 0
+        for k in num_draft:  # drafts that follow the target for a while, then (sometimes) deviate
+            for j in range(k):
+                hit = torch.rand(1, generator=rng).item() < 0.7
+                drafts.append(argmax[row + j] if hit else int(torch.randint(0, VOCAB, (1,), generator=rng)))
+            row += k + 1
+        params = [SamplingParams(temperature=0.0)] * len(num_draft)
+        probs = logits_to_probs(logits, build_sampling_batch(params, [k + 1 for k in num_draft], CPU))
+        general = rejection_sample(probs, torch.tensor(drafts, dtype=torch.long), None, num_draft,
+                                   [None] * len(num_draft))
+        fast = greedy_verify(logits, drafts, num_draft)
+        assert fast == general, (trial, num_draft, drafts, argmax)
+    with pytest.raises(ValueError, match="shape"):
+        greedy_verify(torch.zeros(3, VOCAB), [1], [1])

@@ -26,8 +26,9 @@ from specd.model.attention import ForwardBatch
 from specd.model.llama import LlamaForCausalLM
 from specd.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from specd.sampling.params import SamplingParams
-from specd.sampling.processing import build_sampling_batch, logits_to_probs
-from specd.sampling.rejection import rejection_sample
+from specd.sampling.processing import build_sampling_batch, is_greedy, logits_to_probs
+from specd.sampling.rejection import greedy_verify, rejection_sample
+from specd.spec.goodput import GoodputPlanner
 from specd.spec.k_policy import KPolicy
 from specd.spec.proposer import Proposal, Proposer, SequenceView
 
@@ -60,7 +61,9 @@ class LLMEngine:
         spec = config.speculation
         self.k_max = spec.num_speculative_tokens if (spec.enabled and proposer is not None) else 0
         self.policies = {name: KPolicy(name, spec.heuristic_probe_interval)
-                         for name in ("fixed", "heuristic", "confidence")}
+                         for name in ("fixed", "heuristic", "confidence", "goodput")}
+        # The goodput policy's estimates (acceptance per match length, forward cost, throughput): engine-wide.
+        self.goodput = GoodputPlanner(self.k_max) if (self.k_max and spec.method == "ngram") else None
         self.cache = model.make_cache(config.max_num_seqs, config.max_model_len)
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens)
         self.recorder = SpecStatsRecorder(spec.metrics_k_max, sinks=stats_sinks)
@@ -148,6 +151,8 @@ class LLMEngine:
                 "speculation.num_speculative_tokens", f"must be <= the engine's k_max ({self.k_max})"
             )
         policy = engine_policy
+        if override.k_policy == "goodput" and self.goodput is None:
+            raise InvalidParameterError("speculation.k_policy", "'goodput' needs an engine speculating with ngram")
         if override.k_policy is not None and override.k_policy != engine_policy.name:
             if "confidence" in (override.k_policy, engine_policy.name):
                 raise InvalidParameterError(
@@ -213,6 +218,8 @@ class LLMEngine:
     def _run(self, scheduled: list[ScheduledSeq], deltas: list[RequestDelta]) -> None:
         t0 = time.perf_counter()
         drafts = self._propose([w for w in scheduled if not w.is_prefill and w.num_draft > 0])
+        if self.goodput is not None:
+            drafts = self._plan_goodput(scheduled, drafts)
         t1 = time.perf_counter()
 
         # Verify: one target forward over [last, d_1..d_k] of decoding sequences and prompt chunks.
@@ -243,16 +250,21 @@ class LLMEngine:
         # Rejection-sample every sequence that has logits (k_i = 0 is plain sampling).
         num_draft = [len(drafts.token_ids.get(w.seq.seq_id, [])) if not w.is_prefill else 0 for w in sampled]
         rows_per_seq = [k + 1 for k in num_draft]
-        sampling = build_sampling_batch([w.seq.params for w in sampled], rows_per_seq, logits.device)
-        probs = logits_to_probs(logits, sampling)  # [num_logit_rows, vocab_size]
-        draft_ids = torch.tensor(
-            [t for w in sampled if not w.is_prefill for t in drafts.token_ids.get(w.seq.seq_id, [])],
-            dtype=torch.long,
-        )
-        result = rejection_sample(
-            probs, draft_ids, drafts.probs, num_draft, [w.seq.generator for w in sampled]
-        )
+        draft_list = [t for w in sampled if not w.is_prefill for t in drafts.token_ids.get(w.seq.seq_id, [])]
+        if drafts.probs is None and all(is_greedy(w.seq.params) for w in sampled):
+            # The common greedy case: the same decision without [rows, vocab_size] distributions.
+            result = greedy_verify(logits, draft_list, num_draft)
+        else:
+            sampling = build_sampling_batch([w.seq.params for w in sampled], rows_per_seq, logits.device)
+            probs = logits_to_probs(logits, sampling)  # [num_logit_rows, vocab_size]
+            result = rejection_sample(
+                probs, torch.tensor(draft_list, dtype=torch.long), drafts.probs, num_draft,
+                [w.seq.generator for w in sampled],
+            )
         t3 = time.perf_counter()
+        if self.goodput is not None and not any(w.is_prefill for w in scheduled):
+            # What a draft token costs: its share of the forward and of verification, measured together.
+            self.goodput.observe_forward(sum(batch.num_new_tokens), t3 - t1)
 
         # Commit: keep what the stop rules allow, roll KV back to exactly the kept tokens.
         first_delta = len(deltas)
@@ -270,6 +282,10 @@ class LLMEngine:
             seq.num_computed = seq.num_tokens - 1
             self.cache.set_len(seq.slot or 0, seq.num_computed)
             counts.append((num_draft[i], result.num_accepted[i], emitted))
+            if self.goodput is not None and num_draft[i]:
+                self.goodput.observe_draft(
+                    seq.seq_id, drafts.buckets.get(seq.seq_id, 0), num_draft[i], result.num_accepted[i]
+                )
             if seq.k_max:
                 seq.k_state = seq.k_policy.update(seq.k_state, seq.k_max, num_draft[i], result.num_accepted[i])
             seq.num_steps += 1
@@ -286,6 +302,8 @@ class LLMEngine:
                 self.cache.set_len(work.seq.slot or 0, work.seq.num_computed)
                 work.seq.num_steps += 1
 
+        if self.goodput is not None:
+            self.goodput.observe_step(sum(c[2] for c in counts), time.perf_counter() - t0)
         if sampled:
             ids = [w.seq.request_id for w in sampled]
             counts_t = torch.tensor(counts, dtype=torch.long).T  # [3, num_sampled]: k_i, a_i, e_i
@@ -301,7 +319,7 @@ class LLMEngine:
     # ------------------------------------------------------------- helpers
     def _propose(self, decoding: list[ScheduledSeq]) -> _Drafts:
         if not decoding or self.proposer is None:
-            return _Drafts({}, None)
+            return _Drafts({}, None, {})
         views = [SequenceView(w.seq.seq_id, w.seq.token_ids, w.seq.params, w.seq.generator) for w in decoding]
         proposal: Proposal = self.proposer.propose(views, [w.num_draft for w in decoding])
         token_ids = {}
@@ -309,7 +327,36 @@ class LLMEngine:
             if len(d) > w.num_draft:
                 raise RuntimeError(f"proposer returned {len(d)} drafts for k_i = {w.num_draft}")
             token_ids[w.seq.seq_id] = list(d)
-        return _Drafts(token_ids, proposal.draft_probs)
+        buckets = proposal.draft_buckets or [0] * len(decoding)
+        return _Drafts(token_ids, proposal.draft_probs, {w.seq.seq_id: b for w, b in zip(decoding, buckets)})
+
+    def _plan_goodput(self, scheduled: list[ScheduledSeq], drafts: _Drafts) -> _Drafts:
+        """Shorten the drafts of goodput-policy sequences to what pays for its verification (a prefix each)."""
+        assert self.goodput is not None
+        planned = [w.seq.seq_id for w in scheduled if not w.is_prefill and w.seq.k_policy.name == "goodput"
+                   and drafts.token_ids.get(w.seq.seq_id)]
+        if not planned:
+            return drafts
+        planned_set = set(planned)
+        base = sum(  # the step's new tokens besides the drafts being planned
+            w.num_prefill if w.is_prefill
+            else 1 + (0 if w.seq.seq_id in planned_set else len(drafts.token_ids.get(w.seq.seq_id, [])))
+            for w in scheduled
+        )
+        plan = self.goodput.plan(
+            planned, [drafts.buckets.get(i, 0) for i in planned], [len(drafts.token_ids[i]) for i in planned], base
+        )
+        kept = dict(zip(planned, plan.keep))
+        token_ids = {sid: (d[: kept[sid]] if sid in kept else d) for sid, d in drafts.token_ids.items()}
+        probs = drafts.probs
+        if probs is not None:  # keep the rows of the kept draft tokens (proposal order = dict order)
+            rows: list[int] = []
+            offset = 0
+            for sid, d in drafts.token_ids.items():
+                rows.extend(range(offset, offset + len(token_ids[sid])))
+                offset += len(d)
+            probs = probs[torch.tensor(rows, dtype=torch.long)]
+        return _Drafts(token_ids, probs, drafts.buckets)
 
     @staticmethod
     def _logprobs(
@@ -332,6 +379,8 @@ class LLMEngine:
         self.scheduler.remove(seq)
         if self.proposer is not None:
             self.proposer.release(seq.seq_id)
+        if self.goodput is not None:
+            self.goodput.release(seq.seq_id)
         del self._seqs[seq.request_id]
 
     def _delta(
@@ -363,6 +412,7 @@ class LLMEngine:
 class _Drafts:
     token_ids: dict[int, list[int]]  # seq_id -> drafts
     probs: torch.Tensor | None  # [total_drafts, vocab_size] in proposal order, or None
+    buckets: dict[int, int]  # seq_id -> the proposer's confidence class of its draft (0 when it gives none)
 
 
 def _with_stats(delta: RequestDelta, stats: RequestSpecStats) -> RequestDelta:

@@ -19,7 +19,8 @@ class SpecOverride:
 
     enabled=False turns speculation off for this request (k_i = 0 every step).
     num_speculative_tokens caps k for this request (must be <= the engine's k_max).
-    k_policy, when set, must be the engine's policy or "fixed" (policies keep per-sequence state).
+    k_policy, when set: "fixed", "heuristic" or "goodput" (goodput needs an ngram engine); "confidence" is set
+    per engine only.
     """
 
     enabled: bool = True
@@ -32,9 +33,9 @@ class SpecOverride:
         k = self.num_speculative_tokens
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0 or k > 64):
             raise InvalidParameterError("speculation.num_speculative_tokens", "must be an integer in [0, 64]")
-        if self.k_policy is not None and self.k_policy not in ("fixed", "heuristic", "confidence"):
+        if self.k_policy is not None and self.k_policy not in ("fixed", "heuristic", "confidence", "goodput"):
             raise InvalidParameterError(
-                "speculation.k_policy", "must be one of 'fixed', 'heuristic', 'confidence'"
+                "speculation.k_policy", "must be one of 'fixed', 'heuristic', 'confidence', 'goodput'"
             )
 
 

@@ -54,6 +54,11 @@ class SamplingBatch:
         return int(self.temperature.shape[0])
 
 
+def is_greedy(params: SamplingParams) -> bool:
+    """Whether the request's processed distribution is one-hot at the argmax (temperature 0 or tiny)."""
+    return params.temperature < _MIN_TEMPERATURE
+
+
 def build_sampling_batch(
     params: Sequence[SamplingParams], rows_per_seq: Sequence[int], device: torch.device
 ) -> SamplingBatch:
@@ -68,12 +73,12 @@ def build_sampling_batch(
     for seq_params, num_rows in zip(params, rows_per_seq):
         if num_rows < 0:
             raise ValueError(f"rows_per_seq must be >= 0, got {num_rows}")
-        is_greedy = seq_params.temperature < _MIN_TEMPERATURE
-        temperature += [0.0 if is_greedy else float(seq_params.temperature)] * num_rows
-        top_k += [0 if is_greedy else max(seq_params.top_k, 0)] * num_rows
-        top_p += [1.0 if is_greedy else float(seq_params.top_p)] * num_rows
-        min_p += [0.0 if is_greedy else float(seq_params.min_p)] * num_rows
-        greedy += [is_greedy] * num_rows
+        greedy_row = is_greedy(seq_params)
+        temperature += [0.0 if greedy_row else float(seq_params.temperature)] * num_rows
+        top_k += [0 if greedy_row else max(seq_params.top_k, 0)] * num_rows
+        top_p += [1.0 if greedy_row else float(seq_params.top_p)] * num_rows
+        min_p += [0.0 if greedy_row else float(seq_params.min_p)] * num_rows
+        greedy += [greedy_row] * num_rows
     return SamplingBatch(
         temperature=torch.tensor(temperature, dtype=torch.float32, device=device),
         top_k=torch.tensor(top_k, dtype=torch.int64, device=device),

@@ -97,6 +97,37 @@ def rejection_sample(
     return RejectionResult(output_token_ids=output_token_ids, num_accepted=num_accepted_list)
 
 
+def greedy_verify(
+    target_logits: Tensor,  # [sum(k_i + 1), vocab_size], rows [last, d_1..d_k] per sequence
+    draft_token_ids: Sequence[int],  # sum(k_i), flattened in sequence order
+    num_draft_tokens: Sequence[int],  # k_i per sequence
+) -> RejectionResult:
+    """`rejection_sample` for a batch where every request is greedy and q is one-hot (deterministic drafts),
+    without building [rows, vocab_size] distributions: accept while the draft equals the target's argmax,
+    then emit the argmax at the first mismatch (correction) or after the last draft (bonus). Ties go to the
+    lowest token id, as in the one-hot distributions `logits_to_probs` builds, so both paths agree exactly.
+    """
+    if target_logits.dim() != 2 or target_logits.shape[0] != sum(num_draft_tokens) + len(num_draft_tokens):
+        raise ValueError(
+            f"target_logits shape {tuple(target_logits.shape)} does not match k = {list(num_draft_tokens)}"
+        )
+    if len(draft_token_ids) != sum(num_draft_tokens):
+        raise ValueError(f"got {len(draft_token_ids)} draft tokens for k = {list(num_draft_tokens)}")
+    argmax: list[int] = target_logits.argmax(dim=-1).tolist()  # [num_rows]
+    output_token_ids: list[list[int]] = []
+    num_accepted: list[int] = []
+    row = draft = 0
+    for k in num_draft_tokens:
+        a = 0
+        while a < k and draft_token_ids[draft + a] == argmax[row + a]:
+            a += 1
+        output_token_ids.append([*draft_token_ids[draft : draft + a], argmax[row + a]])
+        num_accepted.append(a)
+        row += k + 1
+        draft += k
+    return RejectionResult(output_token_ids=output_token_ids, num_accepted=num_accepted)
+
+
 def _correction_probs(target_probs: Tensor, draft_probs: Tensor) -> Tensor:
     """norm(max(0, p - q)) per row: [num_rows, vocab_size]. Both arguments [num_rows, vocab_size].
 

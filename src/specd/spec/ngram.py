@@ -84,14 +84,19 @@ class NgramProposer:
         if len(seqs) != len(num_draft_tokens):
             raise ValueError(f"got {len(seqs)} sequences but {len(num_draft_tokens)} draft counts")
         drafts: list[list[int]] = []
+        match_lengths: list[int] = []
         for seq, num_draft in zip(seqs, num_draft_tokens):
             if num_draft <= 0:
                 # Skipping is safe: the next call that wants drafts indexes everything it missed.
                 drafts.append([])
+                match_lengths.append(0)
                 continue
             index = self._sync(seq.seq_id, seq.token_ids)
-            drafts.append(self._lookup(index, num_draft))
-        return Proposal(draft_token_ids=drafts, draft_probs=None)
+            draft, match_length = self._lookup(index, num_draft)
+            drafts.append(draft)
+            match_lengths.append(match_length)
+        # The matched suffix length is the draft's confidence class: longer matches are copied more reliably.
+        return Proposal(draft_token_ids=drafts, draft_probs=None, draft_buckets=match_lengths)
 
     def release(self, seq_id: int) -> None:
         """Drop the sequence's index; unknown ids are ignored so abort paths need not check first."""
@@ -133,8 +138,9 @@ class NgramProposer:
             latest_end.update(zip(grams, range(first_end, new_len)))
             self.num_index_writes += new_len - first_end
 
-    def _lookup(self, index: _SeqIndex, num_draft: int) -> list[int]:
-        """Continuation of the most recent earlier copy of the longest matching suffix, at most num_draft."""
+    def _lookup(self, index: _SeqIndex, num_draft: int) -> tuple[list[int], int]:
+        """Continuation of the most recent earlier copy of the longest matching suffix (at most num_draft
+        tokens) and the suffix length n that matched (0: no match, no draft)."""
         tokens = index.tokens
         length = len(tokens)
         for n in reversed(self._match_lengths()):
@@ -142,8 +148,8 @@ class NgramProposer:
                 continue  # an earlier occurrence needs n tokens plus one following token before the suffix
             end = index.latest_end[n - self.config.min_match].get(tuple(tokens[length - n :]))
             if end is not None:
-                return tokens[end : end + num_draft]
-        return []
+                return tokens[end : end + num_draft], n
+        return [], 0
 
     def _match_lengths(self) -> range:
         return range(self.config.min_match, self.config.max_match + 1)

@@ -39,10 +39,13 @@ class Proposal(NamedTuple):
     draft_probs: [sum(len(d) for d in draft_token_ids), vocab_size] float32, the processed distribution
     each draft token was sampled from, flattened in sequence order; None for deterministic proposers
     (the rejection sampler then treats q as one-hot at the draft token).
+    draft_buckets: optional per-sequence confidence class of the draft, from the proposer's own signal (ngram:
+    the length of the matched suffix). The goodput k policy learns acceptance per bucket; None = one class.
     """
 
     draft_token_ids: list[list[int]]
     draft_probs: torch.Tensor | None
+    draft_buckets: list[int] | None = None
 
 
 class Proposer(Protocol):
