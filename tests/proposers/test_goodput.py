@@ -14,7 +14,7 @@ from specd.spec.goodput import GoodputPlanner
 
 
 def _planner_with_cost(slope_s: float, fixed_s: float = 0.01, tokens_per_s: float = 100.0) -> GoodputPlanner:
-    planner = GoodputPlanner(k_max=8)
+    planner = GoodputPlanner()
     for n in (1, 3, 5, 9, 2, 7):
         planner.observe_forward(n, fixed_s + slope_s * n)
     planner.observe_step(int(tokens_per_s), 1.0)
@@ -25,17 +25,17 @@ def test_marginal_cost_is_the_local_slope_of_the_measured_forward_times() -> Non
     planner = _planner_with_cost(slope_s=0.002, fixed_s=0.015)
     assert planner.marginal_seconds(1, 8) == pytest.approx(0.002)
     # A cost that is flat up to 8 tokens and steep after it: the slope is read where the step is.
-    kinked = GoodputPlanner(8)
+    kinked = GoodputPlanner()
     for n in range(1, 25):
         kinked.observe_forward(n, 0.02 + (0.0 if n <= 8 else 0.003 * (n - 8)))
     assert kinked.marginal_seconds(1, 6) == pytest.approx(0.0)
     assert kinked.marginal_seconds(10, 8) == pytest.approx(0.003)
-    one_size = GoodputPlanner(4)
+    one_size = GoodputPlanner()
     one_size.observe_forward(4, 0.02)
     one_size.observe_forward(4, 0.03)
     assert one_size.marginal_seconds(4, 4) == 0.0  # one N seen: drafting looks free, so it gets measured
     assert one_size.snapshot()["forward_ms_by_new_tokens"] == {"4": 25.0}  # a mean over the first samples
-    noisy = GoodputPlanner(4)
+    noisy = GoodputPlanner()
     for n, t in ((1, 0.03), (5, 0.02)):  # measured "cheaper with more tokens": slope clipped to 0
         noisy.observe_forward(n, t)
     assert noisy.marginal_seconds(1, 4) == 0.0
@@ -44,7 +44,7 @@ def test_marginal_cost_is_the_local_slope_of_the_measured_forward_times() -> Non
 
 
 def test_rate_is_a_ratio_of_averages() -> None:
-    planner = GoodputPlanner(4)
+    planner = GoodputPlanner()
     assert planner.rate is None
     planner.observe_step(9, 0.03)
     planner.observe_step(1, 0.01)
@@ -53,7 +53,7 @@ def test_rate_is_a_ratio_of_averages() -> None:
 
 
 def test_acceptance_counts_reached_positions_only_and_shrinks_per_sequence_estimates() -> None:
-    planner = GoodputPlanner(k_max=4)
+    planner = GoodputPlanner()
     assert planner.accept_prob(0, 3, 0) == 0.5  # optimistic prior for an unseen bucket
     for _ in range(10):
         planner.observe_draft(seq_id=1, bucket=3, num_drafted=4, num_accepted=1)
@@ -93,7 +93,7 @@ def test_plan_cuts_deeper_as_verification_gets_dearer() -> None:
             planner.observe_draft(seq_id=1, bucket=2, num_drafted=6, num_accepted=3)
         kept.append(planner.plan([1], [2], [6], base_tokens=1).keep[0])
     assert kept == sorted(kept, reverse=True) and kept[0] == 6 and kept[-1] < 6
-    assert all(math.isfinite(v) for v in GoodputPlanner(2).plan([0], [0], [2], base_tokens=1).values[0])
+    assert all(math.isfinite(v) for v in GoodputPlanner().plan([0], [0], [2], base_tokens=1).values[0])
 
 
 def test_goodput_is_validated_where_it_is_chosen() -> None:

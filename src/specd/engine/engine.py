@@ -63,7 +63,7 @@ class LLMEngine:
         self.policies = {name: KPolicy(name, spec.heuristic_probe_interval)
                          for name in ("fixed", "heuristic", "confidence", "goodput")}
         # The goodput policy's estimates (acceptance per match length, forward cost, throughput): engine-wide.
-        self.goodput = GoodputPlanner(self.k_max) if (self.k_max and spec.method == "ngram") else None
+        self.goodput = GoodputPlanner() if (self.k_max and spec.method == "ngram") else None
         self.cache = model.make_cache(config.max_num_seqs, config.max_model_len)
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens)
         self.recorder = SpecStatsRecorder(spec.metrics_k_max, sinks=stats_sinks)

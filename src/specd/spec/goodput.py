@@ -84,8 +84,7 @@ class GoodputPlan:
 class GoodputPlanner:
     """Engine-wide estimator and planner for the goodput policy. Owned by one engine thread."""
 
-    def __init__(self, k_max: int) -> None:
-        self.k_max = k_max
+    def __init__(self) -> None:
         self._global: dict[int, _Counts] = {}
         self._per_seq: dict[int, dict[int, _Counts]] = {}
         self._forward: dict[int, tuple[float, int]] = {}  # new tokens N -> (mean seconds, samples)
