@@ -36,6 +36,7 @@ import httpx
 SPEC_ARGS = {
     "off": ["--spec", "off"],
     "ngram": ["--spec", "ngram", "--k-policy", "heuristic"],
+    "goodput": ["--spec", "ngram", "--num-spec-tokens", "8", "--k-policy", "goodput"],
 }
 PROMPTS = [
     "Rewrite this sentence in the passive voice: The quick brown fox jumps over the lazy dog.",
