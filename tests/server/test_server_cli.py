@@ -52,3 +52,29 @@ def test_serve_from_args_wiring(monkeypatch, tiny_model, tokenizer):
     assert 'specd_spec_decode_drafts_total{model="m",proposer="ngram"}' in text
     assert "vllm:spec_decode_num_drafts" in text
     assert "specd_num_requests_running" in text
+
+
+def test_the_model_is_loaded_off_the_main_thread_and_load_errors_surface(tiny_model, tokenizer):
+    import threading
+
+    import pytest
+
+    from specd.config import EngineConfig
+    from specd.errors import ModelLoadError
+
+    seen: list[str] = []
+
+    def load() -> LLM:
+        seen.append(threading.current_thread().name)
+        return LLM.from_model(tiny_model, tokenizer, EngineConfig())
+
+    llm = app_module.load_off_main_thread(load)
+    assert isinstance(llm, LLM)
+    # A thread that ran parallel torch ops keeps an OpenMP pool that slows the engine thread: not the caller's.
+    assert seen == ["specd-load"] and seen[0] != threading.current_thread().name
+
+    def broken() -> LLM:
+        raise ModelLoadError("model: no such file")
+
+    with pytest.raises(ModelLoadError, match="no such file"):
+        app_module.load_off_main_thread(broken)
