@@ -218,3 +218,21 @@ def test_int4_model_is_as_close_to_float32_as_dense_bfloat16():
     assert err_int4 < 2 * err_dense + 1e-3, (err_int4, err_dense)
     with pytest.raises(Exception, match="bfloat16"):
         build_model(arch, sd, torch.float32, int4=True)
+
+
+def test_without_onednn_the_dense_weights_are_kept_and_give_the_same_logits(monkeypatch):
+    cfg = tiny_hf_config_dict()
+    hf = tiny_hf_model(cfg)
+    sd = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    arch = ModelArchConfig.from_hf_dict(cfg)
+    packed = build_model(arch, sd, torch.float32)
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    dense = build_model(arch, sd, torch.float32)
+    assert dense.layers[0].qkv_proj.packed is None and dense.layers[0].qkv_proj.weight is not None
+    assert dense.tied_head_packed is None
+    tokens = list(range(3, 15))
+    out = []
+    for model in (packed, dense):
+        cache = model.make_cache(1, 64)
+        out.append(_run(model, cache, cache.allocate(), tokens, 0))
+    torch.testing.assert_close(out[0], out[1], rtol=1e-4, atol=1e-4)

@@ -56,6 +56,8 @@ def mkldnn_pack(weight: torch.Tensor) -> torch.Tensor | None:  # [out, in] -> op
         return None
     if not torch.backends.mkldnn.is_available():
         return None
+    if weight.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return None  # a CPU without bfloat16 support in oneDNN keeps the dense weight and F.linear
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)
 
 
