@@ -200,11 +200,12 @@ class LLM:
     def get_metrics(self) -> dict[str, Any]:
         """Cumulative speculation metrics (JSON-ready), same definitions as every other sink.
 
-        With the goodput k policy, "goodput_policy" adds the estimates it decides from (throughput, forward
-        time by new tokens, acceptance by match length and position).
+        With the ngram proposer, "goodput_policy" adds the estimates the goodput k policy decides from
+        (throughput, step cost by new tokens, acceptance by match length and position); they are kept whichever
+        policy the engine runs, since any request may choose goodput.
         """
         metrics = self.engine.recorder.snapshot().to_dict()
-        if self.engine.goodput is not None and self.engine.config.speculation.k_policy == "goodput":
+        if self.engine.goodput is not None:
             metrics["goodput_policy"] = self.engine.goodput.snapshot()
         return metrics
 

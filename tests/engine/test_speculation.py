@@ -12,6 +12,7 @@ from specd.llm import LLM
 from specd.model.attention import ForwardBatch
 from specd.sampling.params import SamplingParams, SpecOverride
 from specd.spec.draft import DraftModelProposer
+from specd.spec.goodput import PROBE_INTERVAL
 from specd.spec.proposer import Proposal
 from specd.testing import tiny_hf_config_dict, tiny_specd_model
 
@@ -244,12 +245,14 @@ def test_goodput_verifies_only_drafts_that_pay_and_stays_lossless(make_llm, monk
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == plain
     metrics = llm.get_metrics()
-    if slope_s == 0.0:
-        assert metrics["counters"]["drafts"] > 0
-    else:
-        assert metrics["counters"]["drafts"] == 0
     estimates = metrics["goodput_policy"]
-    assert estimates["rate_tokens_per_s"] > 0 and estimates["accept_prob_by_bucket_and_position"] is not None
+    assert estimates["rate_tokens_per_s"] > 0
+    if slope_s == 0.0:
+        assert metrics["counters"]["drafts"] > 0 and estimates["accept_prob_by_bucket_and_position"]
+    else:
+        # Only the probes (one token after PROBE_INTERVAL steps cut to nothing) are verified.
+        assert metrics["counters"]["draft_tokens"] == metrics["counters"]["drafts"]
+        assert metrics["counters"]["drafts"] <= metrics["counters"]["steps"] * len(PROMPTS) // PROBE_INTERVAL
 
 
 def test_goodput_override_needs_an_ngram_engine(make_llm):
@@ -262,3 +265,25 @@ def test_goodput_override_needs_an_ngram_engine(make_llm):
                                                  speculation=SpecOverride(k_policy="goodput")))
     assert [o.outputs[0].token_ids for o in out] == _plain(make_llm)
     assert ngram.get_metrics()["counters"]["drafts"] > 0
+
+
+@pytest.mark.parametrize("policy", ["fixed", "goodput"])
+def test_float32_packed_model_speculation_matches_plain_up_to_near_ties(make_llm, policy):
+    # float32 runs on oneDNN's packed weights, where 1 + k verification rows may round differently from one
+    # decode row: every output must equal plain decoding, or first differ where plain's top two are tied.
+    model = tiny_specd_model(tiny_hf_config_dict(), seed=3, dtype=torch.float32)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logprobs=2)
+    plain = make_llm(model=model).generate(PROMPTS, params)
+    spec_llm = make_llm(_spec("ngram", 6, policy), model=model, max_num_seqs=4)
+    spec = spec_llm.generate(PROMPTS, params)
+    assert spec_llm.get_metrics()["counters"]["accepted_tokens"] > 0  # multi-row verification really ran
+    matched = 0
+    for p, s in zip(plain, spec):
+        a, b = p.outputs[0].token_ids, s.outputs[0].token_ids
+        if a == b:
+            matched += 1
+            continue
+        first = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+        top = p.outputs[0].logprobs[first].top
+        assert abs(top[0][1] - top[1][1]) < 1e-3, (first, top)
+    assert matched >= len(PROMPTS) - 1

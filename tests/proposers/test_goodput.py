@@ -10,7 +10,7 @@ import pytest
 from specd.config import SpeculationConfig
 from specd.errors import InvalidParameterError
 from specd.sampling.params import SamplingParams, SpecOverride
-from specd.spec.goodput import GoodputPlanner
+from specd.spec.goodput import PROBE_INTERVAL, GoodputPlanner
 
 
 def _planner_with_cost(slope_s: float, fixed_s: float = 0.01, tokens_per_s: float = 100.0) -> GoodputPlanner:
@@ -103,3 +103,27 @@ def test_goodput_is_validated_where_it_is_chosen() -> None:
     SamplingParams(speculation=SpecOverride(k_policy="goodput"))
     with pytest.raises(InvalidParameterError, match=r"speculation\.k_policy"):
         SpecOverride(k_policy="sometimes")
+
+
+def test_a_sequence_cut_to_nothing_probes_one_token_every_interval() -> None:
+    planner = _planner_with_cost(slope_s=0.002)
+    for _ in range(30):
+        planner.observe_draft(seq_id=1, bucket=1, num_drafted=4, num_accepted=0)  # bucket 1: never accepted
+    kept = [planner.plan([1], [1], [4], base_tokens=1).keep[0] for _ in range(3 * PROBE_INTERVAL)]
+    # Cut every step except one probe token per interval, so the bucket's estimate keeps being measured.
+    assert kept == ([0] * (PROBE_INTERVAL - 1) + [1]) * 3
+    planner.release(1)
+    assert planner.plan([1], [1], [4], base_tokens=1).keep == [0]  # a released sequence starts a new interval
+
+
+def test_weights_cannot_be_loaded_into_a_packed_model() -> None:
+    import torch
+
+    from specd.errors import ModelLoadError
+    from specd.testing import tiny_specd_model
+
+    model = tiny_specd_model(dtype=torch.float32)
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN: nothing is packed")
+    with pytest.raises(ModelLoadError, match="before pack"):
+        model.load_hf_state_dict(model.hf_state_dict())

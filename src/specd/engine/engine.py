@@ -302,7 +302,8 @@ class LLMEngine:
                 self.cache.set_len(work.seq.slot or 0, work.seq.num_computed)
                 work.seq.num_steps += 1
 
-        if self.goodput is not None:
+        if self.goodput is not None and not any(w.is_prefill for w in scheduled):
+            # Decode/verification steps only, like the cost table: prefill time is not what drafting competes with.
             self.goodput.observe_step(sum(c[2] for c in counts), time.perf_counter() - t0)
         if sampled:
             ids = [w.seq.request_id for w in sampled]
@@ -327,7 +328,9 @@ class LLMEngine:
             if len(d) > w.num_draft:
                 raise RuntimeError(f"proposer returned {len(d)} drafts for k_i = {w.num_draft}")
             token_ids[w.seq.seq_id] = list(d)
-        buckets = proposal.draft_buckets or [0] * len(decoding)
+        buckets = proposal.draft_buckets if proposal.draft_buckets is not None else [0] * len(decoding)
+        if len(buckets) != len(decoding):
+            raise RuntimeError(f"proposer returned {len(buckets)} draft buckets for {len(decoding)} sequences")
         return _Drafts(token_ids, proposal.draft_probs, {w.seq.seq_id: b for w, b in zip(decoding, buckets)})
 
     def _plan_goodput(self, scheduled: list[ScheduledSeq], drafts: _Drafts) -> _Drafts:

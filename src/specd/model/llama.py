@@ -99,7 +99,7 @@ class Linear(nn.Module):
             self.weight = None  # the blocked copy replaces it: no second copy of the weights in memory
 
     @property
-    def hf_weight(self) -> torch.Tensor:  # [out_features, in_features]
+    def hf_weight(self) -> torch.Tensor:  # [out_features, in_features]; once packed, a read-only dense copy
         if self.weight is not None:
             return self.weight
         assert self.packed is not None
@@ -233,7 +233,7 @@ class LlamaForCausalLM(nn.Module):
         self.tied_head_packed: torch.Tensor | None = None  # blocked copy of the tied embeddings after pack()
 
     @property
-    def lm_head_weight(self) -> torch.Tensor:  # [vocab_size, hidden_size]
+    def lm_head_weight(self) -> torch.Tensor:  # [vocab_size, hidden_size]; a dense copy when the head is packed
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.hf_weight
 
     def pack(self) -> None:
@@ -293,6 +293,9 @@ class LlamaForCausalLM(nn.Module):
     # ------------------------------------------------------------ weights
     def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Load weights named as in Hugging Face checkpoints (model.layers.{i}.self_attn.q_proj.weight, ...)."""
+        if any(isinstance(m, Linear) and m.packed is not None for m in self.modules()):
+            # hf_weight of a packed layer is a dense copy: writing into it would silently load nothing.
+            raise ModelLoadError("weights must be loaded before pack(); build the model with build_model()")
         c = self.config
         missing: list[str] = []
 

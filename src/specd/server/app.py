@@ -192,7 +192,7 @@ def load_off_main_thread(load: Callable[[], LLM]) -> LLM:
         except BaseException as exc:  # re-raised on the calling thread
             box["error"] = exc
 
-    thread = threading.Thread(target=run, name="specd-load")
+    thread = threading.Thread(target=run, name="specd-load", daemon=True)  # Ctrl-C during a load can exit
     thread.start()
     thread.join()
     error = box.get("error")

@@ -13,7 +13,9 @@ plan keeps exactly the draft tokens with
     v_ij > price = rate * b.
 
 v_ij falls with j within a sequence, so the kept tokens are a prefix of every draft: drafts are only ever
-shortened, never changed. Everything is estimated online from what the engine measures anyway:
+shortened, never changed. A sequence whose drafts were cut to nothing for PROBE_INTERVAL steps in a row verifies
+one token anyway, so a bucket judged not worth it keeps being measured and can recover. Everything is
+estimated online from what the engine measures anyway:
 
 - acceptance per (bucket, position), engine-wide, as counts halved when they grow large (so the estimate
   follows the workload), plus the same counts per sequence, shrunk towards the engine-wide value with weight
@@ -45,6 +47,9 @@ _PRIOR_ACCEPT = (1.0, 2.0)  # (accepted, reached) pseudo-counts of an unseen (bu
 _SEQ_PRIOR_WEIGHT = 4.0  # a sequence's own counts are shrunk towards the engine-wide estimate with this weight
 _HALVE_AT = 512.0  # engine-wide counts are halved past this many reaches, so old evidence fades
 _MAX_BUCKET = 64
+# A sequence whose drafts were cut to nothing this many steps in a row verifies one draft token anyway: estimates
+# only change through verified tokens, so without probing a cut bucket would stay cut forever.
+PROBE_INTERVAL = 8
 
 
 @dataclass(slots=True)
@@ -89,6 +94,7 @@ class GoodputPlanner:
         self._per_seq: dict[int, dict[int, _Counts]] = {}
         self._forward: dict[int, tuple[float, int]] = {}  # new tokens N -> (mean seconds, samples)
         self.last_price: float | None = None
+        self._idle_steps: dict[int, int] = {}  # seq_id -> consecutive steps whose draft was cut to nothing
         self._step_tokens: float | None = None  # EMA of emitted tokens per step
         self._step_seconds = 0.0  # EMA of step seconds
 
@@ -151,6 +157,14 @@ class GoodputPlanner:
             if -neg_value <= price:
                 break
             keep[i] += 1
+        for i, seq_id in enumerate(seq_ids):
+            if keep[i] or not draft_lengths[i]:
+                self._idle_steps[seq_id] = 0
+                continue
+            idle = self._idle_steps.get(seq_id, 0) + 1
+            if idle >= PROBE_INTERVAL:  # probe: one token keeps the estimate of a cut bucket measured
+                keep[i], idle = 1, 0
+            self._idle_steps[seq_id] = idle
         return GoodputPlan(keep=keep, values=values, price=price)
 
     # ---------------------------------------------------------------- observations
@@ -187,6 +201,7 @@ class GoodputPlanner:
 
     def release(self, seq_id: int) -> None:
         self._per_seq.pop(seq_id, None)
+        self._idle_steps.pop(seq_id, None)
 
     def snapshot(self) -> dict[str, object]:
         """The current estimates, JSON-ready: what the policy believes and therefore why it drafts what it does."""
