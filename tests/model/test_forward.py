@@ -67,7 +67,7 @@ def test_packed_float32_weights_match_transformers_for_decode_and_verification(m
     if torch.backends.mkldnn.is_available():
         # pack() swapped the dense weights for oneDNN's blocked copies: no second copy stays in memory.
         assert ours.layers[0].qkv_proj.weight is None and ours.layers[0].qkv_proj.packed is not None
-        assert (ours.lm_head is None) == (ours.tied_head_packed is not None)
+        assert (ours.lm_head is None) == (ours.tied_head is not None and ours.tied_head.packed is not None)
     reference = {k: v.float() for k, v in hf.state_dict().items()}
     ours_dense = ours.hf_state_dict()
     for name in ("model.layers.1.self_attn.k_proj.weight", "model.layers.0.mlp.down_proj.weight"):
@@ -229,7 +229,7 @@ def test_without_onednn_the_dense_weights_are_kept_and_give_the_same_logits(monk
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
     dense = build_model(arch, sd, torch.float32)
     assert dense.layers[0].qkv_proj.packed is None and dense.layers[0].qkv_proj.weight is not None
-    assert dense.tied_head_packed is None
+    assert dense.tied_head is not None and dense.tied_head.packed is None
     tokens = list(range(3, 15))
     out = []
     for model in (packed, dense):

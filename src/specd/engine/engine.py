@@ -26,7 +26,7 @@ from specd.model.attention import ForwardBatch
 from specd.model.llama import LlamaForCausalLM
 from specd.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from specd.sampling.params import SamplingParams
-from specd.sampling.processing import build_sampling_batch, is_greedy, logits_to_probs
+from specd.sampling.processing import build_sampling_batch, logits_to_probs
 from specd.sampling.rejection import greedy_verify, rejection_sample
 from specd.spec.goodput import GoodputPlanner
 from specd.spec.k_policy import KPolicy
@@ -217,6 +217,9 @@ class LLMEngine:
 
     def _run(self, scheduled: list[ScheduledSeq], deltas: list[RequestDelta]) -> None:
         t0 = time.perf_counter()
+        # Decode/verification-only steps feed goodput's cost and throughput estimates; prefill time is not what
+        # drafting competes with.
+        decode_only = not any(w.is_prefill for w in scheduled)
         drafts = self._propose([w for w in scheduled if not w.is_prefill and w.num_draft > 0])
         if self.goodput is not None:
             drafts = self._plan_goodput(scheduled, drafts)
@@ -251,7 +254,7 @@ class LLMEngine:
         num_draft = [len(drafts.token_ids.get(w.seq.seq_id, [])) if not w.is_prefill else 0 for w in sampled]
         rows_per_seq = [k + 1 for k in num_draft]
         draft_list = [t for w in sampled if not w.is_prefill for t in drafts.token_ids.get(w.seq.seq_id, [])]
-        if drafts.probs is None and all(is_greedy(w.seq.params) for w in sampled):
+        if drafts.probs is None and all(w.seq.params.greedy for w in sampled):
             # The common greedy case: the same decision without [rows, vocab_size] distributions.
             result = greedy_verify(logits, draft_list, num_draft)
         else:
@@ -262,7 +265,7 @@ class LLMEngine:
                 [w.seq.generator for w in sampled],
             )
         t3 = time.perf_counter()
-        if self.goodput is not None and not any(w.is_prefill for w in scheduled):
+        if self.goodput is not None and decode_only:
             # What a draft token costs: its share of the forward and of verification, measured together.
             self.goodput.observe_forward(sum(batch.num_new_tokens), t3 - t1)
 
@@ -302,8 +305,7 @@ class LLMEngine:
                 self.cache.set_len(work.seq.slot or 0, work.seq.num_computed)
                 work.seq.num_steps += 1
 
-        if self.goodput is not None and not any(w.is_prefill for w in scheduled):
-            # Decode/verification steps only, like the cost table: prefill time is not what drafting competes with.
+        if self.goodput is not None and decode_only:
             self.goodput.observe_step(sum(c[2] for c in counts), time.perf_counter() - t0)
         if sampled:
             ids = [w.seq.request_id for w in sampled]

@@ -61,12 +61,6 @@ def mkldnn_pack(weight: torch.Tensor) -> torch.Tensor | None:  # [out, in] -> op
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)
 
 
-def mkldnn_linear(
-    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None  # x: [num_tokens, in]
-) -> torch.Tensor:  # [num_tokens, out]
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
 class Linear(nn.Module):
     """y = x W^T + b, with W stored [out, in] as in Hugging Face checkpoints until `pack()`.
 
@@ -85,6 +79,14 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         self.packed: torch.Tensor | None = None
         self.int4: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @classmethod
+    def sharing(cls, weight: nn.Parameter) -> Linear:
+        """A bias-free Linear over an existing [out, in] weight (the tied LM head reads the embedding table)."""
+        linear = cls.__new__(cls)
+        nn.Module.__init__(linear)
+        linear.weight, linear.bias, linear.packed, linear.int4 = weight, None, None, None
+        return linear
 
     def add_int4(self) -> None:
         """Quantize the current (ideally float32) weight into the int4 copy; its scales are bfloat16."""
@@ -110,7 +112,7 @@ class Linear(nn.Module):
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.int4[0], INT4_GROUP, self.int4[1])
             return y if self.bias is None else y + self.bias
         if self.packed is not None:
-            return mkldnn_linear(x, self.packed, self.bias)
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         assert self.weight is not None
         return F.linear(x, self.weight, self.bias)
 
@@ -230,7 +232,7 @@ class LlamaForCausalLM(nn.Module):
             None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
         )
         self.rotary = Rotary(config, max_positions or config.max_position_embeddings)
-        self.tied_head_packed: torch.Tensor | None = None  # blocked copy of the tied embeddings after pack()
+        self.tied_head: Linear | None = None  # the tied LM head over the embedding table, made by pack()
 
     @property
     def lm_head_weight(self) -> torch.Tensor:  # [vocab_size, hidden_size]; a dense copy when the head is packed
@@ -239,13 +241,14 @@ class LlamaForCausalLM(nn.Module):
     def pack(self) -> None:
         """Lay weights out for fast small-M matmuls on CPU (see Linear.pack). Call after loading and casting.
 
-        With tied embeddings the LM head gets its own blocked copy (the lookup table stays dense).
+        With tied embeddings the LM head is a Linear over the embedding table, packed like the others (its
+        blocked copy is separate: the lookup table stays dense).
         """
+        if self.lm_head is None and self.tied_head is None:
+            self.tied_head = Linear.sharing(self.embed_tokens.weight)
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
-        if self.lm_head is None and self.tied_head_packed is None:
-            self.tied_head_packed = mkldnn_pack(self.embed_tokens.weight)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -281,12 +284,9 @@ class LlamaForCausalLM(nn.Module):
         for layer in layers:
             hidden = layer(hidden, rope, cache, meta)
         hidden = self.norm(hidden[batch.logits_indices])  # [num_logit_rows, hidden_size]
-        if self.lm_head is not None:
-            logits = self.lm_head(hidden)  # [num_logit_rows, vocab_size]
-        elif self.tied_head_packed is not None:
-            logits = mkldnn_linear(hidden, self.tied_head_packed, None)
-        else:
-            logits = F.linear(hidden, self.embed_tokens.weight)
+        head = self.lm_head if self.lm_head is not None else self.tied_head
+        # [num_logit_rows, vocab_size]; F.linear only for a model used before pack()
+        logits = head(hidden) if head is not None else F.linear(hidden, self.embed_tokens.weight)
         # float64 models (tests) keep float64 logits so near-ties cannot flip; others compute in float32.
         return logits.to(torch.promote_types(logits.dtype, torch.float32))
 

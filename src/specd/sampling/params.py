@@ -13,6 +13,10 @@ from specd.errors import InvalidParameterError
 _MAX_LOGPROBS = 20
 
 
+# Temperatures below this count as greedy (see SamplingParams.greedy).
+MIN_TEMPERATURE = 1e-5
+
+
 @dataclass(frozen=True, slots=True)
 class SpecOverride:
     """Per-request override of the engine's speculation settings.
@@ -102,4 +106,6 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """The processed distribution is one-hot at the argmax: temperature 0, or below MIN_TEMPERATURE, where
+        logits / T would overflow float32 and the T -> 0 limit is the argmax anyway."""
+        return self.temperature < MIN_TEMPERATURE

@@ -19,10 +19,6 @@ from torch import Tensor
 
 from specd.sampling.params import SamplingParams
 
-# Below this temperature logits / T overflows float32 for ordinary logit magnitudes; the limit of the
-# distribution as T -> 0 is the argmax anyway, so such rows are treated as greedy.
-_MIN_TEMPERATURE = 1e-5
-
 # Top-p first looks for its cut-off among this many most likely tokens and only widens the search (x4) for
 # rows whose nucleus is larger: a full sort of a 49k vocabulary costs ~30x a top-256 on CPU.
 _TOP_P_FIRST_CANDIDATES = 256
@@ -54,11 +50,6 @@ class SamplingBatch:
         return int(self.temperature.shape[0])
 
 
-def is_greedy(params: SamplingParams) -> bool:
-    """Whether the request's processed distribution is one-hot at the argmax (temperature 0 or tiny)."""
-    return params.temperature < _MIN_TEMPERATURE
-
-
 def build_sampling_batch(
     params: Sequence[SamplingParams], rows_per_seq: Sequence[int], device: torch.device
 ) -> SamplingBatch:
@@ -73,7 +64,7 @@ def build_sampling_batch(
     for seq_params, num_rows in zip(params, rows_per_seq):
         if num_rows < 0:
             raise ValueError(f"rows_per_seq must be >= 0, got {num_rows}")
-        greedy_row = is_greedy(seq_params)
+        greedy_row = seq_params.greedy
         temperature += [0.0 if greedy_row else float(seq_params.temperature)] * num_rows
         top_k += [0 if greedy_row else max(seq_params.top_k, 0)] * num_rows
         top_p += [1.0 if greedy_row else float(seq_params.top_p)] * num_rows

@@ -64,6 +64,13 @@ class _Counts:
             self.accepted.append(0.0)
             self.reached.append(0.0)
 
+    def prob(self, position: int) -> float:
+        """P(accept | reached) at `position`, with the (1, 2) prior; 0.5 where nothing was seen yet."""
+        seen = position < len(self.reached)
+        accepted = self.accepted[position] if seen else 0.0
+        reached = self.reached[position] if seen else 0.0
+        return (accepted + _PRIOR_ACCEPT[0]) / (reached + _PRIOR_ACCEPT[1])
+
     def add(self, num_drafted: int, num_accepted: int, halve_at: float | None) -> None:
         """Positions 0..min(k, a + 1) - 1 were reached (scored by the target); 0..a - 1 were accepted."""
         reached = min(num_drafted, num_accepted + 1)
@@ -103,11 +110,7 @@ class GoodputPlanner:
         """P(draft position `position` (0-based) is accepted | it is reached), for this sequence and bucket."""
         bucket = min(bucket, _MAX_BUCKET)
         g = self._global.get(bucket)
-        prior_acc, prior_reach = _PRIOR_ACCEPT
-        if g is not None and position < len(g.reached):
-            p_global = (g.accepted[position] + prior_acc) / (g.reached[position] + prior_reach)
-        else:
-            p_global = prior_acc / prior_reach
+        p_global = g.prob(position) if g is not None else _PRIOR_ACCEPT[0] / _PRIOR_ACCEPT[1]
         s = self._per_seq.get(seq_id, {}).get(bucket)
         if s is None or position >= len(s.reached):
             return p_global
@@ -205,11 +208,8 @@ class GoodputPlanner:
 
     def snapshot(self) -> dict[str, object]:
         """The current estimates, JSON-ready: what the policy believes and therefore why it drafts what it does."""
-        acceptance = {
-            str(b): [round((c.accepted[j] + _PRIOR_ACCEPT[0]) / (c.reached[j] + _PRIOR_ACCEPT[1]), 4)
-                     for j in range(len(c.reached))]
-            for b, c in sorted(self._global.items())
-        }
+        acceptance = {str(b): [round(c.prob(j), 4) for j in range(len(c.reached))]
+                      for b, c in sorted(self._global.items())}
         return {
             "rate_tokens_per_s": None if self.rate is None else round(self.rate, 3),
             "last_price_tokens": None if self.last_price is None else round(self.last_price, 4),
