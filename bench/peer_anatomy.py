@@ -29,9 +29,9 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import load_transformers, markdown_table, timed
+from common import load_transformers, markdown_table
 from prompts import KINDS
-from spec import EOS_TOKEN_ID, Setting, chat_token_ids, engine_config, run_specd
+from spec import EOS_TOKEN_ID, Run, Setting, chat_token_ids, engine_config, run_specd, run_transformers
 from specd.llm import LLM
 from specd.sampling.params import SamplingParams
 from specd.spec.ngram import NgramConfig, NgramProposer
@@ -40,29 +40,15 @@ from specd.spec.proposer import SequenceView
 Drafter = Callable[[list[int]], list[int]]  # context token ids -> draft token ids
 
 
-def hf_generate(hf_model: Any, prompts: list[list[int]], max_tokens: int, k: int) -> tuple[list[list[int]], float, int]:
-    """transformers generate, one prompt at a time: (outputs, seconds, target forwards)."""
+def hf_generate(hf_model: Any, prompts: list[list[int]], max_tokens: int, k: int) -> tuple[Run, int]:
+    """bench/spec.py's transformers run (one prompt at a time), with the target forwards it made counted."""
     calls = [0]
     hook = hf_model.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
-    extra = {"prompt_lookup_num_tokens": k} if k else {}
-
-    def generate() -> list[list[int]]:
-        outs = []
-        for ids in prompts:
-            inputs = torch.tensor([ids])
-            with torch.inference_mode():
-                out = hf_model.generate(
-                    inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=max_tokens, do_sample=False,
-                    eos_token_id=EOS_TOKEN_ID, pad_token_id=EOS_TOKEN_ID, **extra,
-                )
-            outs.append(out[0, len(ids):].tolist())
-        return outs
-
     try:
-        outs, seconds = timed(generate)
+        run = run_transformers(hf_model, prompts, max_tokens, k)
     finally:
         hook.remove()
-    return outs, seconds, calls[0]
+    return run, calls[0]
 
 
 def specd_drafter(k: int) -> Drafter:
@@ -130,8 +116,8 @@ def main() -> None:
         plain = run_specd(model, tokenizer, engine_config(args, Setting("off")), prompts, 1, args.max_tokens)
         spec = run_specd(model, tokenizer, engine_config(args, Setting("ngram", args.k, "fixed")), prompts, 1,
                          args.max_tokens)
-        hf_plain, hf_plain_s, hf_plain_fwd = hf_generate(hf_model, prompts, args.max_tokens, 0)
-        hf_pld, hf_pld_s, hf_pld_fwd = hf_generate(hf_model, prompts, args.max_tokens, args.k)
+        hf_plain, hf_plain_fwd = hf_generate(hf_model, prompts, args.max_tokens, 0)
+        hf_pld, hf_pld_fwd = hf_generate(hf_model, prompts, args.max_tokens, args.k)
 
         def forwards(metrics: dict[str, Any] | None) -> int:
             return int((metrics or {})["counters"]["target_forward_seq_steps"])
@@ -139,12 +125,13 @@ def main() -> None:
         spec_fwd, plain_fwd = forwards(spec.metrics), forwards(plain.metrics)
         for engine, p_tok, p_s, p_fwd, s_tok, s_s, s_fwd in (
             ("specd ngram", plain.num_tokens, plain.seconds, plain_fwd, spec.num_tokens, spec.seconds, spec_fwd),
-            ("transformers pld", sum(map(len, hf_plain)), hf_plain_s, hf_plain_fwd, sum(map(len, hf_pld)), hf_pld_s,
-             hf_pld_fwd),
+            ("transformers pld", hf_plain.num_tokens, hf_plain.seconds, hf_plain_fwd, hf_pld.num_tokens,
+             hf_pld.seconds, hf_pld_fwd),
         ):
             p_ms, s_ms = 1e3 * p_s / p_fwd, 1e3 * s_s / s_fwd
             live.append([kind, engine, p_ms, s_ms, s_ms / p_ms, s_tok / s_fwd, (s_tok / s_s) / (p_tok / p_s), s_tok])
-        texts = {"specd plain": plain.token_ids, "transformers plain": hf_plain, "transformers pld": hf_pld}
+        texts = {"specd plain": plain.token_ids, "transformers plain": hf_plain.token_ids,
+                 "transformers pld": hf_pld.token_ids}
         for source, text in texts.items():
             replays.append([kind, source, sum(map(len, text)), replay(specd_drafter(args.k), prompts, text),
                             replay(hf_drafter(args.k), prompts, text)])
