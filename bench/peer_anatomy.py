@@ -56,8 +56,8 @@ def specd_drafter(k: int) -> Drafter:
     params = SamplingParams(temperature=0.0)
 
     def draft(context: list[int]) -> list[int]:
-        # One seq_id per call: the index is rebuilt from the context each time, which is exact (and slow).
-        proposer.release(0)
+        # One seq_id for every context: the proposer extends its index while a context grows and rebuilds it
+        # when the next text starts, as it does for a running sequence.
         return proposer.propose([SequenceView(0, context, params, None)], [k]).draft_token_ids[0]
 
     return draft
@@ -94,6 +94,18 @@ def replay(drafter: Drafter, prompts: Sequence[list[int]], texts: Sequence[list[
     return tokens / steps
 
 
+def live_row(kind: str, engine: str, plain: Run, plain_forwards: int, spec: Run, spec_forwards: int) -> list[Any]:
+    """ms per forward of each run, their ratio (verification cost), tokens per forward and speed-up."""
+    plain_ms, spec_ms = 1e3 * plain.seconds / plain_forwards, 1e3 * spec.seconds / spec_forwards
+    return [kind, engine, plain_ms, spec_ms, spec_ms / plain_ms, spec.num_tokens / spec_forwards,
+            spec.rate / plain.rate, spec.num_tokens]
+
+
+def specd_forwards(run: Run) -> int:
+    assert run.metrics is not None
+    return int(run.metrics["counters"]["target_forward_seq_steps"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="bfloat16")
@@ -101,8 +113,8 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=9)
     ap.add_argument("--k", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.set_defaults(draft_layers=None, threads=None)  # the rest of what spec.engine_config reads
     args = ap.parse_args()
-    args.draft_layers, args.threads = None, None  # what spec.engine_config reads
     base = LLM("default", dtype=args.dtype, max_num_seqs=8)
     model, tokenizer = base.model, base.tokenizer
     assert tokenizer is not None
@@ -119,17 +131,8 @@ def main() -> None:
         hf_plain, hf_plain_fwd = hf_generate(hf_model, prompts, args.max_tokens, 0)
         hf_pld, hf_pld_fwd = hf_generate(hf_model, prompts, args.max_tokens, args.k)
 
-        def forwards(metrics: dict[str, Any] | None) -> int:
-            return int((metrics or {})["counters"]["target_forward_seq_steps"])
-
-        spec_fwd, plain_fwd = forwards(spec.metrics), forwards(plain.metrics)
-        for engine, p_tok, p_s, p_fwd, s_tok, s_s, s_fwd in (
-            ("specd ngram", plain.num_tokens, plain.seconds, plain_fwd, spec.num_tokens, spec.seconds, spec_fwd),
-            ("transformers pld", hf_plain.num_tokens, hf_plain.seconds, hf_plain_fwd, hf_pld.num_tokens,
-             hf_pld.seconds, hf_pld_fwd),
-        ):
-            p_ms, s_ms = 1e3 * p_s / p_fwd, 1e3 * s_s / s_fwd
-            live.append([kind, engine, p_ms, s_ms, s_ms / p_ms, s_tok / s_fwd, (s_tok / s_s) / (p_tok / p_s), s_tok])
+        live.append(live_row(kind, "specd ngram", plain, specd_forwards(plain), spec, specd_forwards(spec)))
+        live.append(live_row(kind, "transformers pld", hf_plain, hf_plain_fwd, hf_pld, hf_pld_fwd))
         texts = {"specd plain": plain.token_ids, "transformers plain": hf_plain.token_ids,
                  "transformers pld": hf_pld.token_ids}
         for source, text in texts.items():
