@@ -236,3 +236,26 @@ def test_without_onednn_the_dense_weights_are_kept_and_give_the_same_logits(monk
         cache = model.make_cache(1, 64)
         out.append(_run(model, cache, cache.allocate(), tokens, 0))
     torch.testing.assert_close(out[0], out[1], rtol=1e-4, atol=1e-4)
+
+
+def test_hidden_states_are_the_reference_hidden_states_of_every_new_token():
+    hf, ours = _pair("llama", {})
+    torch.manual_seed(3)
+    ids = torch.randint(0, 320, (1, 12))
+    ref = hf(ids, output_hidden_states=True).hidden_states  # embeddings, layer 0 .. layer L-1 (last one normed)
+    num_layers = ours.config.num_layers
+    cache = ours.make_cache(1, 64)
+    slot = cache.allocate()
+    cache.reserve(12)
+    batch = ForwardBatch.build([ids[0].tolist()], [slot], [0], [[11]])
+    out = ours.forward_with_hidden(batch, cache, hidden_layers=(0, -1))
+    hidden = ours.config.hidden_size
+    assert out.hidden_states is not None and out.hidden_states.shape == (12, 2 * hidden)
+    torch.testing.assert_close(out.hidden_states[:, :hidden], ref[1][0], rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(out.hidden_states[:, hidden:], ref[num_layers][0], rtol=1e-9, atol=1e-9)
+    # The LM head over the final feature of the logit row gives the same logits as the forward.
+    with torch.inference_mode():
+        torch.testing.assert_close(ours.compute_logits(out.hidden_states[11:, hidden:]), out.logits)
+    assert ours.forward_with_hidden(batch, cache).hidden_states is None
+    with pytest.raises(ValueError, match="hidden_layers"):
+        ours.forward_with_hidden(batch, cache, hidden_layers=(num_layers,))

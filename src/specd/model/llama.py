@@ -10,6 +10,8 @@ first N layers plus the final norm and LM head (self-speculation) with the same 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -221,6 +223,15 @@ class DecoderLayer(nn.Module):
         return hidden + self.down_proj(F.silu(gate) * up)
 
 
+class ForwardOutput(NamedTuple):
+    """logits: [num_logit_rows, vocab_size] (float32, float64 for float64 models). hidden_states: the residual
+    streams asked for, for every new token in batch order: [num_tokens, len(hidden_layers) * hidden_size]; None
+    when none were asked for."""
+
+    logits: torch.Tensor
+    hidden_states: torch.Tensor | None
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelArchConfig, max_positions: int | None = None) -> None:
         super().__init__()
@@ -277,15 +288,48 @@ class LlamaForCausalLM(nn.Module):
         Assumes cache capacity covers every position written (the caller reserves) and that the cache has
         at least `num_layers` layers. Does not change committed lengths: the caller commits or rolls back.
         """
+        return self.forward_with_hidden(batch, cache, num_layers).logits
+
+    @torch.inference_mode()
+    def forward_with_hidden(
+        self,
+        batch: ForwardBatch,
+        cache: KVCache,
+        num_layers: int | None = None,
+        hidden_layers: Sequence[int] | None = None,
+    ) -> ForwardOutput:
+        """`forward`, plus hidden states of every new token when `hidden_layers` is given.
+
+        hidden_layers: which residual streams to return, concatenated along the feature axis in the order
+        given: layer index i (0-based) is the output of decoder layer i, and -1 the final normed hidden state
+        that the LM head reads (EAGLE-1's feature; EAGLE-3 fuses a low, a middle and a high layer). None (the
+        default) computes none of them, so callers that don't need features pay nothing.
+        """
         meta = AttentionMetadata.build(batch)
         hidden = self.embed_tokens(batch.token_ids)  # [num_tokens, hidden_size]
         rope = self.rotary.tables(batch.positions, hidden.dtype)
         layers = self.layers if num_layers is None else self.layers[:num_layers]
-        for layer in layers:
+        wanted = tuple(hidden_layers or ())
+        for i in wanted:
+            if not -1 <= i < len(layers):
+                raise ValueError(f"hidden_layers: {i} is not -1 or a layer index below {len(layers)}")
+        captured: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(layers):
             hidden = layer(hidden, rope, cache, meta)
-        hidden = self.norm(hidden[batch.logits_indices])  # [num_logit_rows, hidden_size]
+            if i in wanted:
+                captured[i] = hidden
+        features: torch.Tensor | None = None
+        if wanted:
+            if -1 in wanted:
+                captured[-1] = self.norm(hidden)  # [num_tokens, hidden_size]
+            features = torch.cat([captured[i] for i in wanted], dim=-1)  # [num_tokens, len(wanted) * hidden]
+        last = self.norm(hidden[batch.logits_indices])  # [num_logit_rows, hidden_size]
+        return ForwardOutput(self.compute_logits(last), features)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [rows, hidden_size] -> [rows, vocab] float32+
+        """The LM head over final normed hidden states (a draft head that reuses the target's head calls this)."""
         head = self.lm_head if self.lm_head is not None else self.tied_head
-        # [num_logit_rows, vocab_size]; F.linear only for a model used before pack()
+        # F.linear only for a model used before pack()
         logits = head(hidden) if head is not None else F.linear(hidden, self.embed_tokens.weight)
         # float64 models (tests) keep float64 logits so near-ties cannot flip; others compute in float32.
         return logits.to(torch.promote_types(logits.dtype, torch.float32))
