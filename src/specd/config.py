@@ -28,8 +28,9 @@ class SpeculationConfig:
     num_speculative_tokens: k_max, the most draft tokens per sequence per step.
     k_policy: "fixed" (k_i = k_max), "heuristic" (+2 after a fully accepted draft, -1 otherwise, per
     sequence, within [0, k_max]; a sequence at 0 probes again with k = 1 after `heuristic_probe_interval`
-    steps), "confidence" (model-based proposers stop drafting once the draft's own probability of its
-    token falls below `confidence_threshold`) or "goodput" (ngram: each step, verify only the draft tokens
+    steps), "confidence" (model-based proposers stop drafting before a position where the draft's top
+    probability -- of its raw distribution, read before sampling -- falls below `confidence_threshold`; lossless
+    for sampled requests too) or "goodput" (ngram: each step, verify only the draft tokens
     whose expected acceptance, learned online per match length, pays for their measured verification cost;
     see specd/spec/goodput.py).
     """

@@ -46,11 +46,12 @@ def test_greedy_lossless_every_proposer_and_policy(make_llm, tiny_model, draft_m
     plain = _plain(make_llm)
     proposer = None
     if method == "draft":
+        # 0.06: about the median top probability of these random tiny models, so confidence cuts about half.
         proposer = DraftModelProposer(draft_model, "draft", 8, 256,
-                                      confidence_threshold=0.3 if policy == "confidence" else None)
+                                      confidence_threshold=0.06 if policy == "confidence" else None)
         spec = _spec("layerskip", k, policy, draft_layers=1)  # method only enables speculation; proposer injected
     else:
-        spec = _spec(method, k, policy, draft_layers=1, confidence_threshold=0.3)
+        spec = _spec(method, k, policy, draft_layers=1, confidence_threshold=0.06)
     llm = make_llm(spec, proposer=proposer, max_num_seqs=4)
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == plain
@@ -193,10 +194,20 @@ def _exact_dist_of_tokens_2_and_3(model, prompt, temperature):
     return joint.reshape(-1)
 
 
-@pytest.mark.parametrize("method", ["draft", "layerskip", "broken-residual"])
-def test_sampled_speculation_matches_target_distribution(tiny_vocab_models, method, monkeypatch):
-    """Chi-square at significance 0.001. The "broken-residual" case samples corrections from p instead of
-    norm(max(0, p - q)) and must be caught by the same test: proof that the test has power."""
+SAMPLED_COMBOS = [
+    ("ngram", "fixed"), ("ngram", "heuristic"), ("ngram", "goodput"),
+    ("draft", "fixed"), ("draft", "heuristic"), ("draft", "confidence"),
+    ("layerskip", "fixed"), ("layerskip", "heuristic"), ("layerskip", "confidence"),
+    ("broken-residual", "fixed"),
+]
+
+
+@pytest.mark.parametrize(("method", "policy"), SAMPLED_COMBOS)
+def test_sampled_speculation_matches_target_distribution(tiny_vocab_models, method, policy, monkeypatch):
+    """Every proposer x k policy that supports sampling, chi-square at significance 0.001. The "broken-residual"
+    case samples corrections from p instead of norm(max(0, p - q)) and must be caught by the same test: proof
+    that the test has power. The confidence threshold (0.3) cuts the draft at about half of the contexts here, so
+    both the cut and the uncut paths are exercised."""
     if method == "broken-residual":
         from specd.sampling import rejection
 
@@ -207,11 +218,22 @@ def test_sampled_speculation_matches_target_distribution(tiny_vocab_models, meth
     expected = _exact_dist_of_tokens_2_and_3(target, prompt, temperature)
     # Sanity: the draft really is a different distribution.
     assert not np.allclose(_exact_dist_of_tokens_2_and_3(draft, prompt, temperature), expected, atol=0.02)
-    proposer = (DraftModelProposer(target, "layerskip", 64, 64, num_layers=1) if method == "layerskip"
-                else DraftModelProposer(draft, "draft", 64, 64))
-    cfg = EngineConfig(speculation=SpeculationConfig(method="layerskip", num_speculative_tokens=3, draft_layers=1),
-                       max_num_seqs=64, max_model_len=64)
+    threshold = 0.3 if policy == "confidence" else None
+    proposer = None  # ngram: built from the config
+    if method == "layerskip":
+        proposer = DraftModelProposer(target, "layerskip", 64, 64, num_layers=1, confidence_threshold=threshold)
+    elif method in ("draft", "broken-residual"):
+        proposer = DraftModelProposer(draft, "draft", 64, 64, confidence_threshold=threshold)
+    spec_method = "ngram" if method == "ngram" else "layerskip"  # layerskip only enables speculation: injected
+    cfg = EngineConfig(
+        speculation=SpeculationConfig(method=spec_method, num_speculative_tokens=3, draft_layers=1, k_policy=policy,
+                                      confidence_threshold=threshold or 0.5),
+        max_num_seqs=64, max_model_len=64,
+    )
     llm = LLM.from_model(target, None, cfg, proposer=proposer)
+    if policy == "goodput":
+        assert llm.engine.goodput is not None  # free verification: the plan keeps the drafts it has
+        monkeypatch.setattr(llm.engine.goodput, "marginal_seconds", lambda base_tokens, max_extra: 0.0)
     # Token 1 comes from the prefill step; tokens 2 and 3 from a speculative step (k = 1: d_1 verified, then
     # the correction or the bonus), so their joint distribution is what speculation must preserve.
     n = 4000
@@ -223,6 +245,8 @@ def test_sampled_speculation_matches_target_distribution(tiny_vocab_models, meth
         counts[t2 * VOCAB + t3] += 1
     m = llm.get_metrics()["counters"]
     assert 0 < m["accepted_tokens"] < m["draft_tokens"]  # both branches of the rule were exercised
+    if policy == "confidence":  # some drafts were cut before their first token, some were not
+        assert 0 < m["drafts"] < n
     exp = expected * n
     keep = exp >= 5  # pool rare cells so the chi-square approximation holds
     obs_k = np.append(counts[keep], counts[~keep].sum())
@@ -232,6 +256,73 @@ def test_sampled_speculation_matches_target_distribution(tiny_vocab_models, meth
         assert pvalue < 0.001, f"the test failed to catch a wrong residual (p={pvalue:.2e})"
     else:
         assert pvalue > 0.001, f"speculative samples differ from the target distribution (p={pvalue:.2e})"
+
+
+class SecondChoiceProposer:
+    """Drafts, for each sequence, the target's own second most likely next token at temperature 1, and records
+    p(d) for it: with sharpened logits that probability is tiny but nonzero, the case a "max == 1.0 means
+    greedy" rule gets wrong."""
+
+    name = "second-choice"
+
+    def __init__(self, target) -> None:
+        self.target = target
+        self.p_of_draft: list[float] = []
+
+    def propose(self, seqs, num_draft_tokens):
+        drafts = []
+        for view, k in zip(seqs, num_draft_tokens):
+            if k == 0:
+                drafts.append([])
+                continue
+            tokens = list(view.token_ids)
+            cache = self.target.make_cache(1, 256)
+            slot = cache.allocate()
+            cache.reserve(len(tokens))
+            logits = self.target(ForwardBatch.build([tokens], [slot], [0], [[len(tokens) - 1]]), cache)[0]
+            p = torch.softmax(logits.float(), -1)
+            second = int(p.topk(2).indices[1])
+            self.p_of_draft.append(float(p[second]))
+            drafts.append([second])
+        return Proposal(drafts, None)
+
+    def release(self, seq_id):
+        pass
+
+
+def test_saturated_rows_are_not_treated_as_greedy(make_llm):
+    """Sampled requests on a model whose softmax saturates to 1.0 in float32: a draft with p(d) ~ 1e-9 must be
+    accepted with probability p(d), not always."""
+    model = tiny_specd_model(tiny_hf_config_dict(), seed=5, dtype=torch.float32)
+    with torch.no_grad():
+        model.norm.weight.mul_(30.0)  # sharpen every distribution
+    proposer = SecondChoiceProposer(model)
+    llm = make_llm(_spec("ngram", 1, "fixed"), model=model, proposer=proposer, max_num_seqs=4)
+    params = [SamplingParams(max_tokens=12, temperature=1.0, seed=i, ignore_eos=True) for i in range(8)]
+    llm.generate(["hello world"] * 8, params)
+    m = llm.get_metrics()["counters"]
+    p = np.array(proposer.p_of_draft)
+    assert m["draft_tokens"] == len(p) > 50
+    # The case that matters is common here: drafts whose target probability is tiny but nonzero.
+    assert ((p > 0) & (p < 1e-6)).sum() > 20
+    expected = p.sum()  # q is one-hot at the draft, so each draft is accepted with probability p(d)
+    assert m["accepted_tokens"] <= expected + 4 * np.sqrt(expected) + 3
+
+
+def test_out_of_range_draft_ids_are_refused_naming_the_proposer(make_llm):
+    class MinusOne:
+        name = "minus-one"
+
+        def propose(self, seqs, num_draft_tokens):
+            return Proposal([[-1] * k for k in num_draft_tokens], None)
+
+        def release(self, seq_id):
+            pass
+
+    llm = make_llm(_spec("ngram", 2, "fixed"), proposer=MinusOne())
+    out = llm.generate(["hello"], SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True))[0]
+    assert out.outputs[0].finish_reason == "error"
+    assert "MinusOne" in out.extra["error"] and "outside [0, 320)" in out.extra["error"]
 
 
 @pytest.mark.parametrize("slope_s", [0.0, 1.0])

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from specd.sampling.generators import make_generator
-from specd.sampling.processing import sample_from_probs
+from specd.sampling.processing import is_one_hot, sample_from_probs
 from specd.sampling.rejection import _correction_probs, rejection_sample
 
 CPU = torch.device("cpu")
@@ -213,3 +213,52 @@ def test_greedy_verify_equals_the_general_sampler_on_one_hot_distributions() -> 
         assert fast == general, (trial, num_draft, drafts, argmax)
     with pytest.raises(ValueError, match="shape"):
         greedy_verify(torch.zeros(3, VOCAB), [1], [1])
+
+
+def test_near_one_hot_target_row_is_sampled_not_treated_as_greedy() -> None:
+    # float32 softmax([20, 0]) rounds its top entry to exactly 1.0 while p(1) = 2e-9 remains: draft 1 under
+    # q = [.5, .5] must be accepted with probability p(1) / q(1) ~ 4e-9, i.e. never in 100 tries.
+    p = torch.softmax(torch.tensor([20.0, 0.0]), dim=-1)
+    assert p[0] == 1.0 and 0 < p[1] < 1e-8
+    target_probs = torch.stack([p, torch.tensor([0.5, 0.5])])
+    draft_probs = torch.tensor([[0.5, 0.5]])
+    accepted = sum(
+        rejection_sample(target_probs, torch.tensor([1]), draft_probs, [1], [_gen(seed)]).num_accepted[0]
+        for seed in range(100)
+    )
+    assert accepted == 0
+
+
+def test_near_one_hot_row_with_deterministic_draft_on_a_large_vocabulary() -> None:
+    # ngram-style drafts (q one-hot at the draft) on a 32k vocabulary: p(d) ~ 9e-14, so never accepted.
+    logits = torch.zeros(32_000)
+    logits[7] = 40.0
+    p = torch.softmax(logits, dim=-1)
+    assert p[7] == 1.0 and 0 < p[123] < 1e-12
+    target_probs = torch.stack([p, p])
+    accepted = sum(
+        rejection_sample(target_probs, torch.tensor([123]), None, [1], [_gen(seed)]).num_accepted[0]
+        for seed in range(100)
+    )
+    assert accepted == 0
+
+
+def test_only_exactly_one_hot_rows_skip_randomness() -> None:
+    saturated = torch.softmax(torch.tensor([[20.0, 0.0, 0.0, 0.0]]), dim=-1)
+    assert is_one_hot(_one_hot(2)).tolist() == [True]
+    assert is_one_hot(saturated).tolist() == [False]
+    exact, near = _gen(1), _gen(1)
+    before = exact.get_state()
+    sample_from_probs(_one_hot(2), [exact])
+    assert torch.equal(exact.get_state(), before)  # greedy: the generator is not advanced
+    sample_from_probs(saturated, [near])
+    assert not torch.equal(near.get_state(), before)  # saturated but not one-hot: really sampled
+
+
+@pytest.mark.parametrize("with_q", [True, False])
+def test_out_of_range_draft_ids_are_refused(with_q: bool) -> None:
+    target_probs = torch.full((2, VOCAB), 1 / VOCAB)
+    draft_probs = torch.full((1, VOCAB), 1 / VOCAB) if with_q else None
+    for bad in (-1, VOCAB):
+        with pytest.raises(ValueError, match=r"draft_token_ids must lie in \[0, 4\)"):
+            rejection_sample(target_probs, torch.tensor([bad]), draft_probs, [1], [_gen(0)])

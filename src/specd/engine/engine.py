@@ -326,9 +326,15 @@ class LLMEngine:
         views = [SequenceView(w.seq.seq_id, w.seq.token_ids, w.seq.params, w.seq.generator) for w in decoding]
         proposal: Proposal = self.proposer.propose(views, [w.num_draft for w in decoding])
         token_ids = {}
+        vocab = self.model.config.vocab_size
         for w, d in zip(decoding, proposal.draft_token_ids, strict=True):
             if len(d) > w.num_draft:
                 raise RuntimeError(f"proposer returned {len(d)} drafts for k_i = {w.num_draft}")
+            if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in d):
+                # Checked here, at the boundary: a -1 placeholder would otherwise index the vocabulary from the end.
+                raise RuntimeError(
+                    f"proposer {type(self.proposer).__name__} returned draft token ids outside [0, {vocab}): {d}"
+                )
             token_ids[w.seq.seq_id] = list(d)
         buckets = proposal.draft_buckets if proposal.draft_buckets is not None else [0] * len(decoding)
         if len(buckets) != len(decoding):

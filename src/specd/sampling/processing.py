@@ -125,13 +125,14 @@ def sample_from_probs(probs: Tensor, generators: Sequence[torch.Generator | None
     probs: [num_rows, vocab_size], each row a distribution. Uses the exponential race argmax(p / E) with
     E ~ Exp(1) i.i.d. per token, which picks token t with probability p(t). Each sampled row draws one
     vocab_size uniform vector from its own generator, so a seeded request's stream does not depend on its
-    batch neighbours. One-hot rows (greedy) are answered by argmax and consume nothing from their generator.
+    batch neighbours. Exactly one-hot rows (greedy) are answered by argmax and consume nothing from their
+    generator; a row whose largest entry merely rounds to 1.0 is still sampled.
     """
     num_rows, vocab_size = probs.shape
     if len(generators) != num_rows:
         raise ValueError(f"got {len(generators)} generators for {num_rows} rows")
-    max_probs, token_ids = probs.max(dim=-1)  # [num_rows], [num_rows]
-    random_rows = torch.nonzero(max_probs < 1.0).squeeze(1).tolist()
+    token_ids = probs.argmax(dim=-1)  # [num_rows]
+    random_rows = torch.nonzero(~is_one_hot(probs)).squeeze(1).tolist()
     if not random_rows:
         return token_ids
 
@@ -152,6 +153,15 @@ def sample_from_probs(probs: Tensor, generators: Sequence[torch.Generator | None
     noise.clamp_min_(torch.finfo(torch.float32).tiny)
     token_ids[random_rows] = (probs[random_rows].float() / noise).argmax(dim=-1)
     return token_ids
+
+
+def is_one_hot(probs: Tensor) -> Tensor:  # [num_rows, vocab_size] -> [num_rows] bool
+    """Rows with exactly one nonzero entry: deterministic, whatever the request asked for.
+
+    The one test for "no randomness needed" in sampling and verification. A largest entry of 1.0 is not enough:
+    float32 softmax reaches 1.0 while other tokens still hold up to ~6e-8.
+    """
+    return (probs != 0).sum(dim=-1) == 1
 
 
 def _one_hot_argmax(logits: Tensor) -> Tensor:

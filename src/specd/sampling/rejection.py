@@ -8,8 +8,9 @@ processed distributions p_1..p_{k+1} from one verification forward:
 Each emitted token is then distributed exactly as if sampled from p directly.
 
 Randomness, per sequence and from that sequence's own generator: k_i uniforms (skipped when every
-verification row is one-hot, i.e. greedy, where acceptance is certain either way), then one noise vector for
-the final token (skipped when that distribution is one-hot). So seeded runs reproduce whatever the batch.
+verification row is exactly one-hot -- one nonzero entry, as greedy rows are -- where acceptance is certain
+either way), then one noise vector for the final token (skipped when that distribution is exactly
+one-hot). So seeded runs reproduce whatever the batch.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from specd.sampling.processing import sample_from_probs
+from specd.sampling.processing import is_one_hot, sample_from_probs
 
 
 class RejectionResult(NamedTuple):
@@ -149,15 +150,17 @@ def _draw_uniforms(
 ) -> Tensor:
     """One uniform in [0, 1) per draft, [num_drafts] float32, each from its sequence's generator.
 
-    Sequences whose verification rows are all one-hot draw nothing and get zeros: their acceptance is
-    certain either way, and greedy requests must stay deterministic without advancing their generator.
+    Sequences whose verification rows are all exactly one-hot draw nothing and get zeros: their acceptance is
+    certain either way, and greedy requests must stay deterministic without advancing their generator. "One-hot"
+    means one nonzero entry, not a largest entry of 1.0: a float32 softmax rounds to 1.0 while other tokens
+    still hold up to ~6e-8, and a zero uniform would then accept any draft with p(d) > 0.
     """
     device = target_probs.device
     num_drafts = int(target_row_of_draft.shape[0])
     uniforms = torch.zeros(num_drafts, dtype=torch.float32, device=device)
     if num_drafts == 0:
         return uniforms
-    draft_row_is_random = target_probs[target_row_of_draft].amax(dim=-1) < 1.0  # [num_drafts]
+    draft_row_is_random = ~is_one_hot(target_probs[target_row_of_draft])  # [num_drafts]
     num_random_rows = torch.zeros(len(num_draft_tokens), dtype=torch.int64, device=device)
     num_random_rows.index_add_(0, seq_of_draft, draft_row_is_random.long())
     seq_is_random: list[bool] = (num_random_rows > 0).tolist()
@@ -201,3 +204,7 @@ def _check_shapes(
         raise ValueError(f"draft_probs shape {tuple(draft_probs.shape)} != [{num_drafts}, {target_probs.shape[1]}]")
     if len(generators) != num_seqs:
         raise ValueError(f"got {len(generators)} generators for {num_seqs} sequences")
+    vocab_size = target_probs.shape[1]
+    if num_drafts and not (0 <= int(draft_token_ids.min()) and int(draft_token_ids.max()) < vocab_size):
+        # A negative id would index from the end of the vocabulary and could be accepted and emitted.
+        raise ValueError(f"draft_token_ids must lie in [0, {vocab_size})")

@@ -32,8 +32,16 @@ def _common_prefix(a: list[int], b: Sequence[int]) -> int:
 
 
 class DraftModelProposer:
-    """Drafts with `model` (first `num_layers` layers if given). confidence_threshold: stop a sequence's draft
-    before the first token whose draft probability is below it (the `confidence` k policy); None = never."""
+    """Drafts with `model` (first `num_layers` layers if given).
+
+    confidence_threshold (the `confidence` k policy; None = never stop early): a sequence's draft stops before
+    position j when the draft model's top probability at j -- softmax of its raw logits, before the request's
+    temperature/top-k/top-p -- is below the threshold. The rule reads only the draft distribution q_j, never the
+    token sampled from it, which is what keeps sampled speculation lossless: whether position j is verified then
+    depends only on the accepted prefix, and given that prefix the target's rule emits exactly p_j either way.
+    (Dropping a token because of its own sampled probability would hand the verifier a q that the token was not
+    drawn from, and bias the output.) The raw distribution also gives greedy requests a signal, where q is one-hot.
+    """
 
     def __init__(
         self,
@@ -93,14 +101,19 @@ class DraftModelProposer:
                 sid = seqs[i].seq_id
                 self._cached[sid].extend(feed[i])
                 self.cache.set_len(self._slots[sid], len(self._cached[sid]))
+            if self.confidence_threshold is not None:
+                # Decided before sampling, from the draft's own distribution alone (see the class docstring).
+                confident = torch.softmax(logits.float(), dim=-1).amax(dim=-1) >= self.confidence_threshold
+                keep_rows = torch.nonzero(confident).squeeze(1).tolist()
+                active = [active[r] for r in keep_rows]
+                logits = logits[keep_rows]  # [num_confident, vocab_size]
+                if not active:
+                    break
             sampling = build_sampling_batch([seqs[i].params for i in active], [1] * len(active), logits.device)
             q = logits_to_probs(logits, sampling)  # [num_active, vocab_size]
             tokens = sample_from_probs(q, [seqs[i].generator for i in active]).tolist()
-            q_chosen = q.gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1).tolist()
             still: list[int] = []
             for row, i in enumerate(active):
-                if self.confidence_threshold is not None and q_chosen[row] < self.confidence_threshold:
-                    continue
                 drafts[i].append(tokens[row])
                 probs_per_seq[i].append(q[row])
                 if len(drafts[i]) < num_draft_tokens[i]:

@@ -35,7 +35,8 @@ class SequenceView:
 class Proposal(NamedTuple):
     """Ragged draft tokens for one step.
 
-    draft_token_ids[i] has at most the k_i asked for sequence i (fewer is allowed, zero too).
+    draft_token_ids[i] has at most the k_i asked for sequence i (fewer is allowed, zero too), each an id in
+    [0, vocab_size): the engine refuses anything else with an error naming the proposer (no placeholders).
     draft_probs: [sum(len(d) for d in draft_token_ids), vocab_size] float32, the processed distribution
     each draft token was sampled from, flattened in sequence order; None for deterministic proposers
     (the rejection sampler then treats q as one-hot at the draft token).
