@@ -1,17 +1,20 @@
-"""Load generator for `specd serve`: concurrency sweep with speculation off and on.
+"""Serving benchmark for `specd serve`: open-loop (Poisson) and closed-loop load, speculation off vs on.
 
-For each speculation config it starts `specd serve` on 127.0.0.1 (a fresh server per config, so the
-configs do not share warm state), warms it with one request, then for each concurrency level sends
-`--max-requests` streaming chat requests from that many concurrent workers, stopping early at
-`--max-seconds`. With --url it measures an already running server instead (loopback only).
+For each setting it starts `specd serve` on 127.0.0.1 (a fresh server per setting, so settings share no warm
+state), sends `--warmup` requests that are not measured, then for each load point sends the same mixed
+workload (bench/load.py: the four prompt kinds of bench/prompts.py in turn, output lengths 32-256 tokens, seeded)
+of `--num-requests` streaming chat requests: at Poisson arrivals of each `--rates` value (open loop; `inf` = all
+at once), and from each `--concurrency` number of clients (closed loop). With --url it measures an already
+running server instead (loopback only).
 
-Run: .venv/bin/python bench/serve.py [--concurrency 1,2,4,8,16] [--specs off,ngram] [--max-requests 16]
-     [--max-tokens 64] [--max-seconds 120] [--model default] [--server-arg=--threads=2 ...] [--json FILE]
-Smoke: .venv/bin/python bench/serve.py --max-requests 2 --concurrency 1
+Run:   .venv/bin/python bench/serve.py --settings off,goodput --rates 1,2,4,8,inf --concurrency 1,2,4,8,16,32
+       [--num-requests 64] [--server-arg=--dtype=int4 ...] [--json FILE] [--markdown FILE] [--plot FILE.png]
+Smoke: .venv/bin/python bench/serve.py --num-requests 4 --warmup 1 --rates inf --concurrency 1
 
-Columns: req/s and output tok/s over the point's wall time; TTFT from sending to the first content chunk;
-TPOT = (last chunk - first content chunk) / (completion tokens - 1); accept = accepted / draft tokens and
-tau = 1 + accepted / drafts, pooled over the point's requests from `usage.speculative_decoding`.
+Per point: completed requests, request and output-token throughput over the point's duration (first send to last
+byte), TTFT / TPOT / ITL / E2E at p50, p90, p99 in ms, and acceptance and tau pooled over the point's requests.
+When `off` is among the settings, a second table gives each setting's output throughput and TPOT p50 relative to
+`off` at the same point. --plot draws throughput and TPOT against load, one line per setting (needs matplotlib).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import socket
 import subprocess
@@ -27,147 +31,30 @@ import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from urllib.parse import urlparse
 
 import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from load import (
+    PointStats,
+    build_workload,
+    one_request,
+    poisson_arrivals,
+    run_closed_loop,
+    run_open_loop,
+    summarize,
+)
+from prompts import KINDS
 
 SPEC_ARGS = {
     "off": ["--spec", "off"],
     "ngram": ["--spec", "ngram", "--k-policy", "heuristic"],
     "goodput": ["--spec", "ngram", "--num-spec-tokens", "8", "--k-policy", "goodput"],
 }
-PROMPTS = [
-    "Rewrite this sentence in the passive voice: The quick brown fox jumps over the lazy dog.",
-    "Repeat the following list exactly, one item per line: apples, bananas, cherries, dates, elderberries.",
-    "Summarize in one sentence: The library opens at nine, closes at five, and is closed on Sundays.",
-    "Write a short poem about the sea.",
-    "Correct the grammar: 'She don't like them apples and he go to school every days.'",
-    "Explain what a hash table is to a child.",
-    "Convert to JSON with keys name and age: Alice is 30 years old, Bob is 25 years old.",
-    "List five prime numbers and explain why each is prime.",
-    "Translate to French: Good morning, how are you today?",
-    "Give three tips for writing clear code.",
-    "Extract the city names: I flew from Paris to Berlin, then took a train to Vienna and Prague.",
-    "Continue the story: Once upon a time, in a small village by the mountains,",
-]
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
-
-
-@dataclass(frozen=True, slots=True)
-class RequestResult:
-    ok: bool
-    ttft_s: float | None
-    tpot_s: float | None
-    completion_tokens: int
-    drafts: int
-    draft_tokens: int
-    accepted_tokens: int
-    error: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class PointResult:
-    """One (spec config, concurrency) point of the sweep."""
-
-    spec: str
-    concurrency: int
-    num_requests: int
-    num_failed: int
-    wall_s: float
-    requests_per_s: float
-    output_tokens_per_s: float
-    ttft_p50_s: float | None
-    ttft_p90_s: float | None
-    tpot_p50_s: float | None
-    tpot_p90_s: float | None
-    acceptance_rate: float | None
-    tau: float | None
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """Nearest-rank percentile (q in [0, 100]); None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = max(1, min(len(ordered), round(q / 100 * len(ordered) + 0.5)))
-    return ordered[rank - 1]
-
-
-async def one_request(client: httpx.AsyncClient, model: str, prompt: str, args: argparse.Namespace) -> RequestResult:
-    body = {
-        "model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": args.max_tokens,
-        "temperature": args.temperature, "stream": True, "stream_options": {"include_usage": True},
-        "ignore_eos": args.ignore_eos,
-    }
-    start = time.perf_counter()
-    first = last = None
-    usage: dict | None = None
-    try:
-        async with client.stream("POST", "/v1/chat/completions", json=body) as response:
-            if response.status_code != 200:
-                return RequestResult(False, None, None, 0, 0, 0, 0, f"HTTP {response.status_code}")
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                event = json.loads(line[len("data: "):])
-                if "error" in event:
-                    return RequestResult(False, None, None, 0, 0, 0, 0, event["error"]["message"])
-                if event.get("usage"):
-                    usage = event["usage"]
-                for choice in event.get("choices", []):
-                    if choice["delta"].get("content"):
-                        now = time.perf_counter()
-                        first = first or now
-                        last = now
-    except httpx.HTTPError as exc:
-        return RequestResult(False, None, None, 0, 0, 0, 0, f"{type(exc).__name__}: {exc}")
-    if usage is None:
-        return RequestResult(False, None, None, 0, 0, 0, 0, "no usage chunk")
-    tokens = usage["completion_tokens"]
-    spec = usage.get("speculative_decoding") or {}
-    ttft = None if first is None else first - start
-    tpot = (last - first) / (tokens - 1) if first is not None and last is not None and tokens > 1 else None
-    return RequestResult(True, ttft, tpot, tokens, spec.get("drafts", 0), spec.get("draft_tokens", 0),
-                         spec.get("accepted_tokens", 0))
-
-
-async def run_point(url: str, model: str, spec: str, concurrency: int, args: argparse.Namespace) -> PointResult:
-    """`concurrency` workers share a budget of max_requests; nobody starts a request after max_seconds."""
-    budget = iter(range(args.max_requests))
-    results: list[RequestResult] = []
-    start = time.perf_counter()
-    deadline = start + args.max_seconds
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    timeout = httpx.Timeout(args.max_seconds + 60, connect=10)
-    limits = httpx.Limits(max_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=timeout, limits=limits) as client:
-
-        async def worker() -> None:
-            for index in budget:
-                if time.perf_counter() > deadline:
-                    return
-                results.append(await one_request(client, model, PROMPTS[index % len(PROMPTS)], args))
-
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-    wall = time.perf_counter() - start
-    ok = [r for r in results if r.ok]
-    drafts = sum(r.drafts for r in ok)
-    draft_tokens = sum(r.draft_tokens for r in ok)
-    accepted = sum(r.accepted_tokens for r in ok)
-    ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
-    tpots = [r.tpot_s for r in ok if r.tpot_s is not None]
-    for failure in (r for r in results if not r.ok):
-        print(f"  request failed: {failure.error}", file=sys.stderr)
-    return PointResult(
-        spec=spec, concurrency=concurrency, num_requests=len(results), num_failed=len(results) - len(ok),
-        wall_s=wall, requests_per_s=len(ok) / wall, output_tokens_per_s=sum(r.completion_tokens for r in ok) / wall,
-        ttft_p50_s=percentile(ttfts, 50), ttft_p90_s=percentile(ttfts, 90),
-        tpot_p50_s=percentile(tpots, 50), tpot_p90_s=percentile(tpots, 90),
-        acceptance_rate=accepted / draft_tokens if draft_tokens else None,
-        tau=1 + accepted / drafts if drafts else None,
-    )
 
 
 def free_port() -> int:
@@ -178,7 +65,7 @@ def free_port() -> int:
 
 @contextmanager
 def served(spec: str, args: argparse.Namespace) -> Iterator[str]:
-    """Start `specd serve` for one spec config on a free loopback port; yield its URL; stop it."""
+    """Start `specd serve` for one setting on a free loopback port; yield its URL; stop it."""
     port = free_port()
     command = [
         sys.executable, "-m", "specd.cli", "serve", "--host", "127.0.0.1", "--port", str(port),
@@ -216,70 +103,170 @@ def wait_healthy(url: str, process: subprocess.Popen[bytes], timeout_s: float, l
     raise RuntimeError(f"specd serve did not become healthy in {timeout_s}s")
 
 
-def measure(url: str, spec: str, args: argparse.Namespace) -> list[PointResult]:
-    async def main() -> list[PointResult]:
-        # Warm-up (first forwards allocate and tune); not measured.
+def measure(url: str, setting: str, args: argparse.Namespace) -> list[PointStats]:
+    """Warm up, then run every load point against one server."""
+
+    async def main() -> list[PointStats]:
         headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-        async with httpx.AsyncClient(base_url=url, headers=headers, timeout=args.max_seconds + 60) as client:
+        timeout = httpx.Timeout(args.request_timeout, connect=10)
+        limits = httpx.Limits(max_connections=args.num_requests + 8)
+        async with httpx.AsyncClient(base_url=url, headers=headers, timeout=timeout, limits=limits) as client:
             models = await client.get("/v1/models")
             models.raise_for_status()
             model = models.json()["data"][0]["id"]
-            warm = await one_request(client, model, PROMPTS[0], args)
-            if not warm.ok:
-                raise RuntimeError(f"warm-up request failed: {warm.error}")
-        points = []
-        for concurrency in args.concurrency:
-            point = await run_point(url, model, spec, concurrency, args)
-            print(format_row(point), flush=True)
-            points.append(point)
-        return points
+            for item in build_workload(args.warmup, args.seed + 1, args.kinds) if args.warmup else []:
+                warm = await one_request(client, model, item, args.temperature, args.ignore_eos)
+                if not warm.ok:
+                    raise RuntimeError(f"warm-up request failed: {warm.error}")
+            items = build_workload(args.num_requests, args.seed, args.kinds)
+            points = []
+            for rate in args.rates:
+                send_times = poisson_arrivals(len(items), rate, args.seed)
+                results, seconds = await run_open_loop(client, model, items, send_times, args.temperature,
+                                                       args.ignore_eos)
+                points.append(_report(summarize(setting, "rate", rate, results, seconds), results))
+            for concurrency in args.concurrency:
+                results, seconds = await run_closed_loop(client, model, items, concurrency, args.temperature,
+                                                         args.ignore_eos)
+                points.append(_report(summarize(setting, "concurrency", concurrency, results, seconds), results))
+            return points
 
     return asyncio.run(main())
 
 
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value * 1000:.1f}"
+def _report(point: PointStats, results: Sequence) -> PointStats:
+    for failure in (r for r in results if not r.ok):
+        print(f"  request failed: {failure.error}", file=sys.stderr)
+    print(format_row(point), flush=True)
+    return point
 
 
-def _ratio(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3f}"
+def _num(value: float | None, digits: int = 1) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
 
 
-HEADER = (f"{'conc':>4} {'spec':>6} {'reqs':>5} {'req/s':>7} {'out tok/s':>9} {'TTFT p50':>9} {'TTFT p90':>9} "
-          f"{'TPOT p50':>9} {'TPOT p90':>9} {'accept':>7} {'tau':>6}")
+def _load(point: PointStats) -> str:
+    if point.mode == "rate":
+        return "inf req/s" if math.isinf(point.load) else f"{point.load:g} req/s"
+    return f"conc {point.load:g}"
 
 
-def format_row(p: PointResult) -> str:
-    failed = f" ({p.num_failed} failed)" if p.num_failed else ""
-    return (f"{p.concurrency:>4} {p.spec:>6} {p.num_requests:>5} {p.requests_per_s:>7.2f} "
-            f"{p.output_tokens_per_s:>9.1f} {_ms(p.ttft_p50_s):>9} {_ms(p.ttft_p90_s):>9} {_ms(p.tpot_p50_s):>9} "
-            f"{_ms(p.tpot_p90_s):>9} {_ratio(p.acceptance_rate):>7} {_ratio(p.tau):>6}{failed}")
+COLUMNS = ["setting", "load", "done", "req/s", "out tok/s", "TTFT p50/p90/p99", "TPOT p50/p90/p99",
+           "ITL p50/p90/p99", "E2E p50/p99", "accept", "tau"]
+
+
+def _cells(p: PointStats) -> list[str]:
+    def trio(values: tuple[float | None, ...]) -> str:
+        return "/".join(_num(v) for v in values)
+
+    done = f"{p.completed}" + (f" ({p.failed} failed)" if p.failed else "")
+    return [p.setting, _load(p), done, _num(p.request_throughput, 2), _num(p.output_throughput),
+            trio(p.ttft_ms), trio(p.tpot_ms), trio(p.itl_ms), trio((p.e2e_ms[0], p.e2e_ms[2])),
+            _num(p.acceptance_rate, 3), _num(p.tau, 3)]
+
+
+def format_row(p: PointStats) -> str:
+    return "  ".join(_cells(p))
+
+
+def markdown(points: Sequence[PointStats]) -> str:
+    """The points table (times in ms), then each setting relative to `off` at the same load when `off` ran."""
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(_cells(p)) + " |" for p in points]
+    baseline = {(p.mode, p.load): p for p in points if p.setting == "off"}
+    others = [p for p in points if p.setting != "off" and (p.mode, p.load) in baseline]
+    if others:
+        lines += ["", "| setting | load | out tok/s vs off | TPOT p50 speed-up vs off |", "|---|---|---|---|"]
+        for p in others:
+            off = baseline[(p.mode, p.load)]
+            throughput = p.output_throughput / off.output_throughput if off.output_throughput else None
+            tpot = off.tpot_ms[0] / p.tpot_ms[0] if off.tpot_ms[0] and p.tpot_ms[0] else None
+            lines.append(f"| {p.setting} | {_load(p)} | {_num(throughput, 3)}x | {_num(tpot, 3)}x |")
+    return "\n".join(lines)
+
+
+def plot(points: Sequence[PointStats], path: Path) -> bool:
+    """Throughput and TPOT p50 against load, one line per setting and one row per mode; False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    modes = [m for m in ("rate", "concurrency") if any(p.mode == m for p in points)]
+    figure, axes = plt.subplots(len(modes), 2, figsize=(11, 4 * len(modes)), squeeze=False)
+    for row, mode in enumerate(modes):
+        finite = [p.load for p in points if p.mode == mode and not math.isinf(p.load)]
+        inf_at = max(finite, default=1.0) * 2  # `inf` (all at once) is drawn right of the largest rate
+        for setting in dict.fromkeys(p.setting for p in points):
+            series = sorted((p for p in points if p.mode == mode and p.setting == setting), key=lambda p: p.load)
+            xs = [inf_at if math.isinf(p.load) else p.load for p in series]
+            axes[row][0].plot(xs, [p.output_throughput for p in series], marker="o", label=setting)
+            axes[row][1].plot(xs, [p.tpot_ms[0] or math.nan for p in series], marker="o", label=setting)
+        label = "request rate (req/s; rightmost point = all at once)" if mode == "rate" else "concurrent clients"
+        for column, title in ((0, "output tokens/s"), (1, "TPOT p50 (ms)")):
+            axes[row][column].set_xlabel(label)
+            axes[row][column].set_ylabel(title)
+            axes[row][column].set_xscale("log", base=2)
+            axes[row][column].grid(True, alpha=0.3)
+            axes[row][column].legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+    return True
+
+
+def _floats(text: str, name: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",") if v]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{name}: comma-separated numbers, got {text!r}") from exc
+    return values
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", default=None, help="measure this running server (loopback) instead of starting one")
-    parser.add_argument("--concurrency", default="1,2,4,8,16", help="comma-separated concurrency levels")
-    parser.add_argument("--specs", default="off,ngram", help=f"comma-separated, from {', '.join(SPEC_ARGS)}")
-    parser.add_argument("--max-requests", type=int, default=16, help="requests per point")
-    parser.add_argument("--max-seconds", type=float, default=120.0, help="no new request after this, per point")
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--settings", default="off,goodput", help=f"comma-separated, from {', '.join(SPEC_ARGS)}")
+    parser.add_argument("--rates", default="1,2,4,8,inf", help="open-loop Poisson rates in requests/s ('' = none)")
+    parser.add_argument("--concurrency", default="1,2,4,8,16,32", help="closed-loop client counts ('' = none)")
+    parser.add_argument("--num-requests", type=int, default=64, help="requests per point")
+    parser.add_argument("--warmup", type=int, default=4, help="unmeasured requests per server before its points")
+    parser.add_argument("--kinds", default=",".join(KINDS), help="prompt kinds of the mix, from bench/prompts.py")
+    parser.add_argument("--seed", type=int, default=0, help="workload and arrival seed (same for every setting)")
     parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--ignore-eos", action="store_true", help="always generate max_tokens")
+    parser.add_argument("--ignore-eos", action="store_true", help="always generate each request's max_tokens")
     parser.add_argument("--model", default="default", help="--model of the started server")
-    parser.add_argument("--max-num-seqs", type=int, default=16, help="engine slots of the started server")
+    parser.add_argument("--max-num-seqs", type=int, default=32, help="engine slots of the started server")
     parser.add_argument("--server-arg", action="append", default=[],
-                        help="extra `specd serve` argument, e.g. --server-arg=--threads=2 (repeatable)")
+                        help="extra `specd serve` argument, e.g. --server-arg=--dtype=int4 (repeatable)")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--startup-timeout", type=float, default=600.0)
+    parser.add_argument("--request-timeout", type=float, default=900.0, help="seconds one request may take")
     parser.add_argument("--json", default=None, metavar="FILE", help="also write every point as JSON")
+    parser.add_argument("--markdown", default=None, metavar="FILE", help="also write the tables as markdown")
+    parser.add_argument("--plot", default=None, metavar="FILE", help="PNG of throughput and TPOT vs load")
     args = parser.parse_args(argv)
-    args.concurrency = [int(c) for c in args.concurrency.split(",")]
-    args.specs = args.specs.split(",")
-    if any(c < 1 for c in args.concurrency) or args.max_requests < 1 or args.max_seconds <= 0:
-        parser.error("--concurrency levels, --max-requests and --max-seconds must be positive")
-    if unknown := [s for s in args.specs if s not in SPEC_ARGS]:
-        parser.error(f"--specs: unknown {unknown}")
+    try:
+        args.rates = _floats(args.rates, "--rates")
+        args.concurrency = [int(c) for c in _floats(args.concurrency, "--concurrency")]
+    except argparse.ArgumentTypeError as exc:
+        parser.error(str(exc))
+    args.settings = [s for s in args.settings.split(",") if s]
+    args.kinds = [k for k in args.kinds.split(",") if k]
+    if not args.kinds or any(k not in KINDS for k in args.kinds):
+        parser.error(f"--kinds: choose one or more of {', '.join(KINDS)}")
+    if any(not r > 0 for r in args.rates):
+        parser.error("--rates: every rate must be > 0 (inf = all at once)")
+    if any(c < 1 for c in args.concurrency):
+        parser.error("--concurrency: every level must be >= 1")
+    if not args.rates and not args.concurrency:
+        parser.error("--rates and --concurrency are both empty: nothing to measure")
+    if args.num_requests < 1 or args.warmup < 0:
+        parser.error("--num-requests must be >= 1 and --warmup >= 0")
+    if unknown := [s for s in args.settings if s not in SPEC_ARGS]:
+        parser.error(f"--settings: unknown {unknown}; choose from {', '.join(SPEC_ARGS)}")
     if args.url is not None and urlparse(args.url).hostname not in LOOPBACK_HOSTS:
         parser.error("--url must be a loopback address (127.0.0.1, localhost or ::1)")
     return args
@@ -287,17 +274,23 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    points: list[PointResult] = []
-    print(HEADER, flush=True)
+    points: list[PointStats] = []
+    print("  ".join(COLUMNS), flush=True)
     if args.url is not None:
         points.extend(measure(args.url.rstrip("/"), "server", args))
     else:
-        for spec in args.specs:
-            with served(spec, args) as url:
-                points.extend(measure(url, spec, args))
+        for setting in args.settings:
+            with served(setting, args) as url:
+                points.extend(measure(url, setting, args))
+    table = markdown(points)
+    print("\n" + table)
+    if args.markdown:
+        Path(args.markdown).write_text(table + "\n")
     if args.json:
         Path(args.json).write_text(json.dumps([asdict(p) for p in points], indent=2))
-    return 1 if any(p.num_failed for p in points) else 0
+    if args.plot and not plot(points, Path(args.plot)):
+        print("--plot: matplotlib is not installed (pip install 'specd[plot]'); no plot written", file=sys.stderr)
+    return 1 if any(p.failed for p in points) else 0
 
 
 if __name__ == "__main__":
