@@ -34,8 +34,8 @@ from prompts import KINDS
 from spec import EOS_TOKEN_ID, Run, Setting, chat_token_ids, engine_config, run_specd, run_transformers
 from specd.llm import LLM
 from specd.sampling.params import SamplingParams
-from specd.spec.ngram import NgramConfig, NgramProposer
-from specd.spec.proposer import SequenceView
+from specd.speculation.ngram import NgramConfig, NgramProposer
+from specd.speculation.proposer import SequenceView
 
 Drafter = Callable[[list[int]], list[int]]  # context token ids -> draft token ids
 

@@ -32,7 +32,7 @@ class SpeculationConfig:
     probability -- of its raw distribution, read before sampling -- falls below `confidence_threshold`; lossless
     for sampled requests too) or "goodput" (ngram: each step, verify only the draft tokens
     whose expected acceptance, learned online per match length, pays for their measured verification cost;
-    see specd/spec/goodput.py).
+    see specd/speculation/goodput.py).
     """
 
     method: str = "off"

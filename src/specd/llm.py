@@ -21,8 +21,8 @@ from specd.metrics.trace import TraceSink
 from specd.model.llama import LlamaForCausalLM, build_model
 from specd.model.tokenizer import Tokenizer
 from specd.sampling.params import SamplingParams
-from specd.spec.factory import make_proposer
-from specd.spec.proposer import Proposer
+from specd.speculation.factory import make_proposer
+from specd.speculation.proposer import Proposer
 
 logger = logging.getLogger("specd")
 

@@ -198,7 +198,7 @@ def test_step_failure_keeps_the_final_delta_of_a_request_that_already_finished(m
 
 def test_tight_token_budget_shrinks_k_instead_of_starving_sequences(make_llm, tiny_model):
     from specd.config import SpeculationConfig
-    from specd.spec.draft import DraftModelProposer
+    from specd.speculation.draft import DraftModelProposer
 
     # 4 sequences, k = 4, budget 6: prompts still get prefilled while others speculate, and once all decode,
     # every sequence gets a token each step.

@@ -2,7 +2,7 @@
 
 from specd.engine.sequence import Sequence
 from specd.sampling.params import SamplingParams
-from specd.spec.k_policy import KPolicy, KState
+from specd.speculation.k_policy import KPolicy, KState
 
 
 class _WordDetokenizer:

@@ -11,9 +11,9 @@ from specd.config import EngineConfig, SpeculationConfig
 from specd.llm import LLM
 from specd.model.attention import ForwardBatch
 from specd.sampling.params import SamplingParams, SpecOverride
-from specd.spec.draft import DraftModelProposer
-from specd.spec.goodput import PROBE_INTERVAL
-from specd.spec.proposer import Proposal
+from specd.speculation.draft import DraftModelProposer
+from specd.speculation.goodput import PROBE_INTERVAL
+from specd.speculation.proposer import Proposal
 from specd.testing import tiny_hf_config_dict, tiny_specd_model
 
 PROMPTS = ["hello world, hello world, hello", "abcabcabcabc", "the quick brown fox jumps over the lazy dog. the quick",

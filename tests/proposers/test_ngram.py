@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from specd.errors import InvalidParameterError
 from specd.sampling.params import SamplingParams
-from specd.spec.ngram import NgramConfig, NgramProposer
-from specd.spec.proposer import SequenceView
+from specd.speculation.ngram import NgramConfig, NgramProposer
+from specd.speculation.proposer import SequenceView
 
 _PARAMS = SamplingParams(temperature=0.0)
 

@@ -28,9 +28,9 @@ from specd.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from specd.sampling.params import SamplingParams
 from specd.sampling.processing import build_sampling_batch, logits_to_probs
 from specd.sampling.rejection import greedy_verify, rejection_sample
-from specd.spec.goodput import GoodputPlanner
-from specd.spec.k_policy import KPolicy
-from specd.spec.proposer import Proposal, Proposer, SequenceView
+from specd.speculation.goodput import GoodputPlanner
+from specd.speculation.k_policy import KPolicy
+from specd.speculation.proposer import Proposal, Proposer, SequenceView
 
 logger = logging.getLogger("specd.engine")
 

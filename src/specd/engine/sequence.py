@@ -10,7 +10,7 @@ import torch
 from specd.engine.outputs import TokenLogprob
 from specd.model.tokenizer import IncrementalDetokenizer
 from specd.sampling.params import SamplingParams
-from specd.spec.k_policy import KPolicy, KState
+from specd.speculation.k_policy import KPolicy, KState
 
 
 class SeqStatus(enum.Enum):

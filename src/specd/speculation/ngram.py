@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from specd.errors import InvalidParameterError
-from specd.spec.proposer import Proposal, SequenceView
+from specd.speculation.proposer import Proposal, SequenceView
 
 # n-grams longer than this are never useful for prompt lookup and only multiply index memory.
 _MAX_MATCH_LIMIT = 64

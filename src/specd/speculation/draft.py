@@ -18,7 +18,7 @@ import torch
 from specd.model.attention import ForwardBatch
 from specd.model.llama import LlamaForCausalLM
 from specd.sampling.processing import build_sampling_batch, logits_to_probs, sample_from_probs
-from specd.spec.proposer import Proposal, SequenceView
+from specd.speculation.proposer import Proposal, SequenceView
 
 
 def _common_prefix(a: list[int], b: Sequence[int]) -> int:

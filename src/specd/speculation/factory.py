@@ -10,9 +10,9 @@ from specd.config import EngineConfig
 from specd.errors import InvalidParameterError, ModelLoadError
 from specd.model.llama import LlamaForCausalLM, build_model
 from specd.model.tokenizer import Tokenizer
-from specd.spec.draft import DraftModelProposer
-from specd.spec.ngram import NgramConfig, NgramProposer
-from specd.spec.proposer import Proposer
+from specd.speculation.draft import DraftModelProposer
+from specd.speculation.ngram import NgramConfig, NgramProposer
+from specd.speculation.proposer import Proposer
 
 ProposerBuilder = Callable[[EngineConfig, LlamaForCausalLM, "Tokenizer | None"], Proposer]
 
