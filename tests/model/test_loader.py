@@ -13,14 +13,15 @@ import transformers
 from safetensors.torch import save_file
 
 from specd.errors import InvalidParameterError, ModelLoadError
+from specd.model import gguf as gguf_names
 from specd.model import loader
 from specd.model.config import ModelArchConfig
+from specd.model.gguf import read_gguf
 from specd.model.loader import (
     DEFAULT_MODEL_NAME,
     default_model_path,
     describe_default_model,
     load_checkpoint,
-    read_gguf,
 )
 from specd.model.tokenizer import Tokenizer
 
@@ -213,12 +214,12 @@ def write_gguf(model: transformers.PreTrainedModel, path: Path, arch: str, qtype
     writer.add_token_merges([])
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
-    names = {value: key for key, value in loader._GGUF_GLOBAL_NAMES.items()}
+    names = {value: key for key, value in gguf_names._GGUF_GLOBAL_NAMES.items()}
     for name, tensor in hf_state_dict(model).items():
         array = tensor.numpy()
         if name.startswith("model.layers."):
             _, _, index, *rest, kind = name.split(".")
-            short = {v: k for k, v in loader._GGUF_LAYER_NAMES.items()}[".".join(rest)]
+            short = {v: k for k, v in gguf_names._GGUF_LAYER_NAMES.items()}[".".join(rest)]
             gguf_name = f"blk.{index}.{short}.{kind}"
             if arch == "llama" and short in ("attn_q", "attn_k"):
                 heads = config.num_attention_heads if short == "attn_q" else config.num_key_value_heads

@@ -20,6 +20,7 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
 from specd.errors import InvalidParameterError, ModelLoadError
+from specd.model.gguf import read_gguf
 
 # GGUF `tokenizer.ggml.token_type` values (llama.cpp's llama_token_type).
 _GGUF_CONTROL, _GGUF_USER_DEFINED = 3, 4
@@ -170,8 +171,6 @@ class Tokenizer:
     @staticmethod
     def from_gguf(path: str | Path) -> Tokenizer:
         """The tokenizer described by a GGUF file's metadata."""
-        from specd.model.loader import read_gguf  # loader imports this module; import lazily to avoid a cycle
-
         return Tokenizer.from_gguf_metadata(read_gguf(Path(path)).metadata, Path(path))
 
     @staticmethod
