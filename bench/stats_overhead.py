@@ -51,14 +51,14 @@ def time_config(
     results = []
     for _ in range(repeats):
         sinks = make_sinks(tmp)
-        recorder = SpecStatsRecorder(k_max, sinks=sinks, keep_step_detail_for="all" if detail else frozenset())
+        recorder = SpecStatsRecorder(k_max, sinks=sinks)
         logger = PeriodicLogger(recorder, interval_s=1.0, logger=logging.getLogger("bench"), start_s=0.0)
         times = StepPhaseTimes(0.002, 0.030, 0.001)
         request_ids = [f"req-{i}" for i in range(batch)]
         next_id = batch
         start = time.perf_counter()
         for index, counts in enumerate(steps):
-            recorder.record_step(request_ids, counts, times)
+            recorder.record_step(request_ids, counts, times, set(request_ids) if detail else frozenset())
             if periodic_log:
                 logger.maybe_log(index * 0.03)  # a 30 ms step: one log line every ~33 steps
             if index % 64 == 63:  # requests of ~64 steps: finish one slot's request, start a new one

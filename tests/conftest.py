@@ -13,8 +13,7 @@ import pytest
 import torch
 from hypothesis import settings
 
-from specd.model.tokenizer import Tokenizer
-from specd.testing import tiny_hf_config_dict, tiny_specd_model
+from specd.testing import byte_tokenizer, tiny_hf_config_dict, tiny_specd_model
 
 _DEFAULT_THREADS = torch.get_num_threads()
 
@@ -39,7 +38,7 @@ def tiny_model():
 
 @pytest.fixture(scope="session")
 def tokenizer():
-    return Tokenizer.for_tests(320)
+    return byte_tokenizer(320)
 
 
 def _ratio(numerator: float, denominator: float) -> float | None:

@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from specd import cli
-from specd.metrics.log_sink import PREFIX, parse_log_line
+from specd.metrics.log_sink import PREFIX
+from specd.testing import parse_log_line
 
 COUNTER_KEYS = ("drafts", "draft_tokens", "accepted_tokens", "emitted_tokens", "nonspec_seq_steps", "nonspec_tokens")
 

@@ -203,7 +203,7 @@ def test_tight_token_budget_shrinks_k_instead_of_starving_sequences(make_llm, ti
     # 4 sequences, k = 4, budget 6: prompts still get prefilled while others speculate, and once all decode,
     # every sequence gets a token each step.
     llm = make_llm(SpeculationConfig(method="layerskip", num_speculative_tokens=4), max_num_seqs=4,
-                   max_num_batched_tokens=6, proposer=DraftModelProposer(tiny_model, "self", 4, 256))
+                   max_num_batched_tokens=6, proposer=DraftModelProposer(tiny_model, 4, 256))
     ids = [llm.add_request(p, SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)) for p in PROMPTS[:4]]
     for _ in range(60):
         if not (llm.engine.scheduler.waiting or any(s.is_prefilling for s in llm.engine.scheduler.running)):

@@ -47,7 +47,7 @@ def test_greedy_lossless_every_proposer_and_policy(make_llm, tiny_model, draft_m
     proposer = None
     if method == "draft":
         # 0.06: about the median top probability of these random tiny models, so confidence cuts about half.
-        proposer = DraftModelProposer(draft_model, "draft", 8, 256,
+        proposer = DraftModelProposer(draft_model, 8, 256,
                                       confidence_threshold=0.06 if policy == "confidence" else None)
         spec = _spec("layerskip", k, policy, draft_layers=1)  # method only enables speculation; proposer injected
     else:
@@ -61,7 +61,7 @@ def test_greedy_lossless_every_proposer_and_policy(make_llm, tiny_model, draft_m
 
 def test_self_draft_accepts_everything(make_llm, tiny_model):
     for params in (GREEDY, SamplingParams(max_tokens=30, temperature=1.0, seed=3, ignore_eos=True)):
-        proposer = DraftModelProposer(tiny_model, "self", 8, 256)
+        proposer = DraftModelProposer(tiny_model, 8, 256)
         llm = make_llm(_spec("layerskip", 4, "fixed"), proposer=proposer)
         out = llm.generate(PROMPTS[:3], params)
         for o in out:
@@ -96,7 +96,7 @@ def test_adversarial_draft_accepts_almost_nothing_and_stays_correct(make_llm):
 
 
 def test_k_zero_and_k_max_in_the_same_step(make_llm, tiny_model):
-    proposer = DraftModelProposer(tiny_model, "self", 8, 256)
+    proposer = DraftModelProposer(tiny_model, 8, 256)
     llm = make_llm(_spec("layerskip", 5, "fixed"), proposer=proposer, max_num_seqs=4)
     params = [
         SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, spec_detail=True),
@@ -121,7 +121,7 @@ def _fresh_kv(model, tokens, num_layers=None):
 
 
 def test_rollback_leaves_state_equal_to_fresh_prefill(make_llm, tiny_model, draft_model):
-    proposer = DraftModelProposer(draft_model, "draft", 8, 256)
+    proposer = DraftModelProposer(draft_model, 8, 256)
     llm = make_llm(_spec("layerskip", 4, "heuristic"), proposer=proposer, max_num_seqs=4)
     for p in PROMPTS[:3]:
         llm.add_request(p, SamplingParams(max_tokens=200, temperature=0.8, seed=5, ignore_eos=True))
@@ -152,7 +152,7 @@ def test_stop_inside_accepted_run_truncates(make_llm, tiny_model):
     plain = _plain(make_llm, PROMPTS[:1])[0]
     stop_id = plain[9]
     expected = plain[: plain.index(stop_id) + 1]
-    proposer = DraftModelProposer(tiny_model, "self", 8, 256)  # accepts everything: stop falls inside a run
+    proposer = DraftModelProposer(tiny_model, 8, 256)  # accepts everything: stop falls inside a run
     llm = make_llm(_spec("layerskip", 6, "fixed"), proposer=proposer)
     out = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=40, temperature=0.0, stop_token_ids=[stop_id],
                                                    spec_detail=True))[0]
@@ -221,9 +221,9 @@ def test_sampled_speculation_matches_target_distribution(tiny_vocab_models, meth
     threshold = 0.3 if policy == "confidence" else None
     proposer = None  # ngram: built from the config
     if method == "layerskip":
-        proposer = DraftModelProposer(target, "layerskip", 64, 64, num_layers=1, confidence_threshold=threshold)
+        proposer = DraftModelProposer(target, 64, 64, num_layers=1, confidence_threshold=threshold)
     elif method in ("draft", "broken-residual"):
-        proposer = DraftModelProposer(draft, "draft", 64, 64, confidence_threshold=threshold)
+        proposer = DraftModelProposer(draft, 64, 64, confidence_threshold=threshold)
     spec_method = "ngram" if method == "ngram" else "layerskip"  # layerskip only enables speculation: injected
     cfg = EngineConfig(
         speculation=SpeculationConfig(method=spec_method, num_speculative_tokens=3, draft_layers=1, k_policy=policy,

@@ -17,11 +17,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from specd.config import SpeculationConfig
 from specd.llm import LLM
-from specd.metrics.log_sink import PREFIX, parse_log_line
+from specd.metrics.log_sink import PREFIX
 from specd.metrics.prometheus_sink import PrometheusSink
 from specd.metrics.records import SpecCounters
 from specd.metrics.trace import TraceRecord, read_trace, recount
 from specd.sampling.params import SamplingParams
+from specd.testing import parse_log_line
 
 pytestmark = pytest.mark.integration
 

@@ -29,14 +29,14 @@ from prometheus_client.parser import text_string_to_metric_families
 from specd.config import EngineConfig, SpeculationConfig
 from specd.engine.outputs import RequestOutput
 from specd.llm import LLM
-from specd.metrics.log_sink import PREFIX, parse_log_line
+from specd.metrics.log_sink import PREFIX
 from specd.metrics.prometheus_sink import PrometheusSink
 from specd.metrics.records import SCALAR_METRICS, SpecCounters, StepDetail
 from specd.metrics.trace import TraceRecord, read_trace, recount
 from specd.model.llama import LlamaForCausalLM
 from specd.model.tokenizer import Tokenizer
 from specd.sampling.params import SamplingParams
-from specd.testing import tiny_hf_config_dict, tiny_specd_model
+from specd.testing import byte_tokenizer, parse_log_line, tiny_hf_config_dict, tiny_specd_model
 
 K_MAX = 4
 MAX_TOKENS = 40
@@ -133,7 +133,7 @@ def bigram_model() -> LlamaForCausalLM:
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Tokenizer:
-    return Tokenizer.for_tests(320)
+    return byte_tokenizer(320)
 
 
 def _ngram_config(**kw: Any) -> EngineConfig:

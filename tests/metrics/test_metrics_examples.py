@@ -144,16 +144,19 @@ def test_k_max_validated() -> None:
 
 
 def test_step_detail_only_for_requested_ids() -> None:
-    recorder = SpecStatsRecorder(k_max=3, keep_step_detail_for={"always"})
+    recorder = SpecStatsRecorder(k_max=3)
     recorder.record_step(
-        ["always", "asked", "plain"], counts((3, 2, 3), (2, 0, 1), (1, 1, 2)), TIMES, detail_request_ids={"asked"}
+        ["always", "asked", "plain"], counts((3, 2, 3), (2, 0, 1), (1, 1, 2)), TIMES,
+        detail_request_ids={"asked", "always"},
     )
-    recorder.record_step(["always", "asked", "plain"], counts((3, 3, 2), (2, 1, 2), (0, 0, 1)), TIMES)
+    recorder.record_step(
+        ["always", "asked", "plain"], counts((3, 3, 2), (2, 1, 2), (0, 0, 1)), TIMES, detail_request_ids={"always"}
+    )
     assert recorder.request_stats("always").steps == (StepDetail(0, 3, 2, 3), StepDetail(1, 3, 3, 2))
     assert recorder.request_stats("asked").steps == (StepDetail(0, 2, 0, 1),)  # asked for step 0 only
     assert recorder.finish_request("plain").steps is None
-    all_detail = SpecStatsRecorder(k_max=3, keep_step_detail_for="all")
-    all_detail.record_step(["x"], counts((1, 0, 1)), TIMES)
+    all_detail = SpecStatsRecorder(k_max=3)
+    all_detail.record_step(["x"], counts((1, 0, 1)), TIMES, detail_request_ids={"x"})
     stats = all_detail.finish_request("x")
     assert stats.steps == (StepDetail(0, 1, 0, 1),)
     assert stats.to_dict()["steps"] == [{"step": 0, "k": 1, "accepted": 0, "emitted": 1}]

@@ -17,12 +17,13 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from specd.metrics.log_sink import format_log_line, parse_log_line
+from specd.metrics.log_sink import format_log_line
 from specd.metrics.prometheus_sink import PrometheusSink
 from specd.metrics.records import SCALAR_METRICS, SpecCounters
 from specd.metrics.snapshots import SpecMetricsSnapshot, tau_bucket_bounds
 from specd.metrics.stats import RequestSpecStats, SpecStatsRecorder, StepPhaseTimes
 from specd.metrics.trace import TraceSink, read_trace, recount
+from specd.testing import parse_log_line
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

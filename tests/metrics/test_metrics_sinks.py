@@ -13,10 +13,11 @@ from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from specd.metrics import trace_cli
-from specd.metrics.log_sink import PREFIX, PeriodicLogger, format_log_line, parse_log_line
+from specd.metrics.log_sink import PREFIX, PeriodicLogger, format_log_line
 from specd.metrics.prometheus_sink import PrometheusSink
 from specd.metrics.stats import SpecStatsRecorder, StepPhaseTimes
 from specd.metrics.trace import TraceFinish, TraceFormatError, TraceRecord, TraceSink, read_trace, recount
+from specd.testing import parse_log_line
 
 TIMES = StepPhaseTimes(0.001, 0.02, 0.0005)
 REPO = Path(__file__).parents[2]

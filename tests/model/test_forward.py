@@ -7,7 +7,7 @@ from specd.model.attention import ForwardBatch
 from specd.model.config import ModelArchConfig
 from specd.model.kv_cache import KVCache, KVCacheFullError
 from specd.model.llama import build_model
-from specd.testing import tiny_hf_config_dict, tiny_hf_model
+from specd.testing import hf_state_dict, lm_head_weight, tiny_hf_config_dict, tiny_hf_model
 
 ARCHS = [
     ("llama", {}),
@@ -69,7 +69,7 @@ def test_packed_float32_weights_match_transformers_for_decode_and_verification(m
         assert ours.layers[0].qkv_proj.weight is None and ours.layers[0].qkv_proj.packed is not None
         assert (ours.lm_head is None) == (ours.tied_head is not None and ours.tied_head.packed is not None)
     reference = {k: v.float() for k, v in hf.state_dict().items()}
-    ours_dense = ours.hf_state_dict()
+    ours_dense = hf_state_dict(ours)
     for name in ("model.layers.1.self_attn.k_proj.weight", "model.layers.0.mlp.down_proj.weight"):
         torch.testing.assert_close(ours_dense[name], reference[name], rtol=0, atol=0)
     torch.manual_seed(4)
@@ -155,7 +155,7 @@ def test_layer_subset_runs_first_layers_with_shared_weights():
     with torch.inference_mode():
         rope = ours.rotary.tables(batch.positions, hidden.dtype)
         hidden = ours.layers[0](hidden, rope, full_cache, AttentionMetadata.build(batch))
-        ref = torch.nn.functional.linear(ours.norm(hidden), ours.lm_head_weight)
+        ref = torch.nn.functional.linear(ours.norm(hidden), lm_head_weight(ours))
     torch.testing.assert_close(out, ref)
     assert len(cache.keys) == 1
 

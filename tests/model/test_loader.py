@@ -23,7 +23,7 @@ from specd.model.loader import (
     describe_default_model,
     load_checkpoint,
 )
-from specd.model.tokenizer import Tokenizer
+from specd.testing import byte_tokenizer
 
 TINY_VOCAB = 320
 
@@ -47,10 +47,10 @@ def tiny_hf_model(model_type: str, tie: bool, **extra: object) -> transformers.P
 
 def save_test_tokenizer(directory: Path) -> transformers.PreTrainedTokenizerFast:
     hf_tokenizer = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=Tokenizer.for_tests(TINY_VOCAB).backend,
+        tokenizer_object=byte_tokenizer(TINY_VOCAB).backend,
         bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
     )
-    hf_tokenizer.chat_template = Tokenizer.for_tests(TINY_VOCAB).chat_template
+    hf_tokenizer.chat_template = byte_tokenizer(TINY_VOCAB).chat_template
     hf_tokenizer.save_pretrained(directory)
     return hf_tokenizer
 
@@ -206,7 +206,7 @@ def write_gguf(model: transformers.PreTrainedModel, path: Path, arch: str, qtype
     writer.add_rope_freq_base(5000.0)
     writer.add_layer_norm_rms_eps(1e-6)
     writer.add_rope_dimension_count(16)
-    test_backend = Tokenizer.for_tests(TINY_VOCAB).backend
+    test_backend = byte_tokenizer(TINY_VOCAB).backend
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("gpt2")
     writer.add_token_list([test_backend.id_to_token(i) for i in range(TINY_VOCAB)])

@@ -10,6 +10,7 @@ import transformers
 from specd.errors import InvalidParameterError, ModelLoadError
 from specd.model.loader import default_model_path
 from specd.model.tokenizer import IncrementalDetokenizer, Tokenizer
+from specd.testing import byte_tokenizer
 
 TEXTS = [
     "Hello world",
@@ -106,7 +107,7 @@ def test_default_incremental_detokenizer_with_prompt_context(default_tokenizer):
 
 # ---------------------------------------------------------------------------------------------- for_tests
 def test_for_tests_tokenizer_is_bytes():
-    tokenizer = Tokenizer.for_tests(300)
+    tokenizer = byte_tokenizer(300)
     assert tokenizer.vocab_size == 300
     assert tokenizer.eos_token_ids == (2,) and tokenizer.bos_token_id == 1
     text = "héllo 中 😀"
@@ -118,12 +119,12 @@ def test_for_tests_tokenizer_is_bytes():
     assert tokenizer.decode([3 + ord("a"), 299, 259]) == "a<tok299><tok259>"
     assert tokenizer.encode("<eos>", add_special_tokens=False) == [2]
     with pytest.raises(InvalidParameterError) as info:
-        Tokenizer.for_tests(100)
+        byte_tokenizer(100)
     assert info.value.field == "vocab_size"
 
 
 def test_for_tests_chat_template():
-    tokenizer = Tokenizer.for_tests(320)
+    tokenizer = byte_tokenizer(320)
     prompt = tokenizer.apply_chat_template(CONVERSATION[:2])
     assert prompt == "<|user|>Hi there\n<|assistant|>Hello! 😀 How can I help?\n<|assistant|>"
     assert tokenizer.apply_chat_template(CONVERSATION[:1], add_generation_prompt=False) == "<|user|>Hi there\n"
@@ -133,7 +134,7 @@ def test_for_tests_chat_template():
 @pytest.mark.parametrize("skip_special_tokens", [True, False])
 @pytest.mark.parametrize("chunk", [1, 2, 5])
 def test_incremental_detokenizer_random_ids_equal_full_decode(skip_special_tokens, chunk):
-    tokenizer = Tokenizer.for_tests(320)
+    tokenizer = byte_tokenizer(320)
     rng = random.Random(1234)
     for _ in range(60):
         # Random bytes make invalid and split UTF-8 sequences; special and <tokN> ids are mixed in.
@@ -143,7 +144,7 @@ def test_incremental_detokenizer_random_ids_equal_full_decode(skip_special_token
 
 
 def test_incremental_detokenizer_holds_back_partial_characters():
-    tokenizer = Tokenizer.for_tests(300)
+    tokenizer = byte_tokenizer(300)
     token_ids = tokenizer.encode("a中😀", add_special_tokens=False)  # 1 + 3 + 4 byte tokens
     deltas = stream(tokenizer, token_ids)
     assert deltas == ["a", "", "", "中", "", "", "", "😀", ""]
@@ -153,7 +154,7 @@ def test_incremental_detokenizer_holds_back_partial_characters():
 
 
 def test_incremental_detokenizer_window_stays_small():
-    tokenizer = Tokenizer.for_tests(300)
+    tokenizer = byte_tokenizer(300)
     detokenizer = IncrementalDetokenizer(tokenizer)
     token_ids = tokenizer.encode("abc" * 500, add_special_tokens=False)
     for token_id in token_ids:
@@ -178,12 +179,12 @@ def test_incremental_detokenizer_window_stays_small():
 )
 def test_bad_messages_name_the_field(messages, field):
     with pytest.raises(InvalidParameterError) as info:
-        Tokenizer.for_tests(300).apply_chat_template(messages)
+        byte_tokenizer(300).apply_chat_template(messages)
     assert info.value.field == field
 
 
 def test_template_raise_exception_and_missing_template():
-    backend = Tokenizer.for_tests(300).backend
+    backend = byte_tokenizer(300).backend
     strict = Tokenizer(
         backend, eos_token_ids=(2,), bos_token_id=1,
         chat_template="{% if messages[0]['role'] != 'user' %}{{ raise_exception('first must be user') }}"
@@ -202,7 +203,7 @@ def test_template_raise_exception_and_missing_template():
 
 def test_template_is_sandboxed():
     unsafe = Tokenizer(
-        Tokenizer.for_tests(300).backend, eos_token_ids=(2,), bos_token_id=1,
+        byte_tokenizer(300).backend, eos_token_ids=(2,), bos_token_id=1,
         chat_template="{{ messages.__class__.__mro__[1].__subclasses__() }}",
     )
     with pytest.raises(InvalidParameterError, match="chat template failed"):

@@ -6,15 +6,14 @@ import transformers
 from specd.config import SpeculationConfig
 from specd.errors import ModelLoadError
 from specd.llm import LLM
-from specd.model.tokenizer import Tokenizer
 from specd.sampling.params import SamplingParams
-from specd.testing import tiny_hf_config_dict, tiny_hf_model
+from specd.testing import byte_tokenizer, tiny_hf_config_dict, tiny_hf_model
 
 
 def _save(directory, seed, vocab_size=320):
     tiny_hf_model(tiny_hf_config_dict(vocab_size=vocab_size), seed=seed).save_pretrained(directory)
-    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=Tokenizer.for_tests(320).backend, eos_token="</s>")
-    tok.chat_template = Tokenizer.for_tests(320).chat_template
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=byte_tokenizer(320).backend, eos_token="</s>")
+    tok.chat_template = byte_tokenizer(320).chat_template
     tok.save_pretrained(directory)
     return str(directory)
 

@@ -120,10 +120,10 @@ def test_weights_cannot_be_loaded_into_a_packed_model() -> None:
     import torch
 
     from specd.errors import ModelLoadError
-    from specd.testing import tiny_specd_model
+    from specd.testing import hf_state_dict, tiny_specd_model
 
     model = tiny_specd_model(dtype=torch.float32)
     if not torch.backends.mkldnn.is_available():
         pytest.skip("no oneDNN: nothing is packed")
     with pytest.raises(ModelLoadError, match="before pack"):
-        model.load_hf_state_dict(model.hf_state_dict())
+        model.load_hf_state_dict(hf_state_dict(model))

@@ -8,9 +8,9 @@ import pytest
 import torch
 from scipy.stats import chisquare
 
-from specd.sampling.generators import generators_per_row, make_generator
 from specd.sampling.params import SamplingParams
 from specd.sampling.processing import build_sampling_batch, logits_to_probs, sample_from_probs
+from specd.testing import generators_per_row, make_generator
 
 CPU = torch.device("cpu")
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specd.sampling.generators import make_generator
 from specd.sampling.processing import is_one_hot, sample_from_probs
 from specd.sampling.rejection import _correction_probs, rejection_sample
+from specd.testing import make_generator
 
 CPU = torch.device("cpu")
 VOCAB = 4

@@ -48,7 +48,6 @@ class Sequence:
     finish_reason: str | None = None
     text: str = ""
     num_text_streamed: int = 0
-    num_tokens_streamed: int = 0
     first_token_time: float | None = None
     finish_time: float | None = None
     num_steps: int = 0

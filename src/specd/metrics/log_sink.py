@@ -1,4 +1,4 @@
-"""The periodic one-line log of speculation metrics, and its parser (so the line can be checked exactly).
+"""The periodic one-line log of speculation metrics (`specd.testing.parse_log_line` reads it back).
 
 Counters are printed as integers and parse back exactly; derived values are printed with 4 decimals,
 undefined ones (denominator 0) as `n/a`.
@@ -8,38 +8,17 @@ from __future__ import annotations
 
 import logging
 import math
-import re
 from collections.abc import Sequence
-from typing import Any
 
 from specd.metrics.snapshots import SpecMetricsSnapshot
 from specd.metrics.stats import SpecStatsRecorder
 
 PREFIX = "SpecDecoding metrics: "
-_NOT_AVAILABLE = "n/a"
-_FIELD = re.compile(r"(\w+)=(\[[^\]]*\]|\S+)")
-# Keys whose values are integer counters (or lists of them); everything else parses as float / None.
-_INT_KEYS = frozenset(
-    {
-        "steps",
-        "spec_steps",
-        "drafts",
-        "draft_tokens",
-        "accepted",
-        "emitted",
-        "nonspec_seq_steps",
-        "nonspec_tokens",
-        "drafted_at",
-        "reached_at",
-        "accepted_at",
-        "accepted_len_hist",
-        "finished_requests",
-    }
-)
+NOT_AVAILABLE = "n/a"
 
 
 def _fmt(value: float | None) -> str:
-    return _NOT_AVAILABLE if value is None else f"{value:.4f}"
+    return NOT_AVAILABLE if value is None else f"{value:.4f}"
 
 
 def _fmt_list(values: Sequence[float | None] | Sequence[int]) -> str:
@@ -79,27 +58,6 @@ def format_log_line(snapshot: SpecMetricsSnapshot, interval_s: float | None = No
     if interval_s is not None:
         fields.append(f"interval_s={interval_s:.3f}")
     return PREFIX + " ".join(fields)
-
-
-def _parse_scalar(key: str, text: str) -> int | float | None:
-    if text == _NOT_AVAILABLE:
-        return None
-    return int(text) if key in _INT_KEYS else float(text)
-
-
-def parse_log_line(line: str) -> dict[str, Any]:
-    """Inverse of format_log_line: {key: int | float | None | list}. Raises ValueError on a foreign line."""
-    start = line.find(PREFIX)
-    if start < 0:
-        raise ValueError(f"not a speculation metrics line (no {PREFIX.strip()!r}): {line!r}")
-    parsed: dict[str, Any] = {}
-    for key, text in _FIELD.findall(line[start + len(PREFIX) :]):
-        if text.startswith("["):
-            items = text[1:-1].split(",") if len(text) > 2 else []
-            parsed[key] = [_parse_scalar(key, item) for item in items]
-        else:
-            parsed[key] = _parse_scalar(key, text)
-    return parsed
 
 
 class PeriodicLogger:

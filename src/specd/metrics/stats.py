@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Collection, Sequence
-from typing import Literal, Protocol
+from typing import Protocol
 
 import torch
 
@@ -132,21 +132,17 @@ class SpecStatsRecorder:
 
     Thread-safe: the engine thread records steps while a server thread may take snapshots. Only one
     consumer should call take_interval() (normally the PeriodicLogger); others use snapshot().
-    keep_step_detail_for: request ids that always keep a per-step detail list, or "all" (debugging).
     """
 
     def __init__(
         self,
         k_max: int,
         sinks: Sequence[StatsSink] = (),
-        keep_step_detail_for: Collection[str] | Literal["all"] = frozenset(),
     ) -> None:
         if isinstance(k_max, bool) or not isinstance(k_max, int) or k_max < 0:
             raise ValueError(f"k_max: must be an integer >= 0, got {k_max!r}")
         self.k_max = k_max
         self._sinks = tuple(sinks)
-        self._detail_all = keep_step_detail_for == "all"
-        self._detail_always = frozenset() if self._detail_all else frozenset(keep_step_detail_for)
         self._lock = threading.Lock()
         self._next_step = 0
         self._live: dict[str, CounterCells] = {}
@@ -209,7 +205,7 @@ class SpecStatsRecorder:
                 request_cells = request.cells
                 request_cells[cell] += 1
                 request_cells[slot] += e
-            if self._detail_all or self._detail_always or detail_request_ids:
+            if detail_request_ids:
                 self._record_detail(step, request_ids, num_draft, num_accepted, num_emitted, detail_request_ids)
             self._interval_steps += 1
             if any(num_draft):
@@ -232,7 +228,7 @@ class SpecStatsRecorder:
         detail_request_ids: Collection[str],
     ) -> None:
         for request_id, k, a, e in zip(request_ids, num_draft, num_accepted, num_emitted):
-            if self._detail_all or request_id in detail_request_ids or request_id in self._detail_always:
+            if request_id in detail_request_ids:
                 self._detail.setdefault(request_id, []).append(StepDetail(step, k, a, e))
 
     def _request_stats_locked(self, request_id: str, pop: bool) -> RequestSpecStats:

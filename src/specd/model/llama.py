@@ -1,9 +1,9 @@
 """In-house Llama-family decoder (Llama, SmolLM/SmolLM2, Mistral, Qwen2 q/k/v bias, Qwen3 q/k norm).
 
 q/k/v and gate/up projections are stored fused (`qkv_proj`, `gate_up_proj`) so a layer costs four GEMMs;
-`load_hf_state_dict` maps Hugging Face parameter names one-to-one onto the fused rows, and
-`hf_state_dict` maps back. `forward` takes a ragged `ForwardBatch` (prefill chunks, decode and multi-token
-verification mixed) and returns logits only for the rows asked for. `num_layers` lets a caller run the
+`load_hf_state_dict` maps Hugging Face parameter names one-to-one onto the fused rows. `forward` takes a ragged
+`ForwardBatch` (prefill chunks, decode and multi-token verification mixed) and returns logits only for the rows
+asked for. `num_layers` lets a caller run the
 first N layers plus the final norm and LM head (self-speculation) with the same weights.
 """
 
@@ -245,10 +245,6 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = Rotary(config, max_positions or config.max_position_embeddings)
         self.tied_head: Linear | None = None  # the tied LM head over the embedding table, made by pack()
 
-    @property
-    def lm_head_weight(self) -> torch.Tensor:  # [vocab_size, hidden_size]; a dense copy when the head is packed
-        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.hf_weight
-
     def pack(self) -> None:
         """Lay weights out for fast small-M matmuls on CPU (see Linear.pack). Call after loading and casting.
 
@@ -378,32 +374,6 @@ class LlamaForCausalLM(nn.Module):
                     break
         if missing:
             raise ModelLoadError(f"checkpoint is missing tensor(s): {', '.join(missing[:5])}")
-
-    def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        """The inverse of load_hf_state_dict: our fused weights under HF names (views, or dense copies once packed)."""
-        c = self.config
-        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        out = {"model.embed_tokens.weight": self.embed_tokens.weight, "model.norm.weight": self.norm.weight}
-        if self.lm_head is not None:
-            out["lm_head.weight"] = self.lm_head.hf_weight
-        for i, layer in enumerate(self.layers):
-            p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
-            for n, w in zip("qkv", layer.qkv_proj.hf_weight.split([q_size, kv_size, kv_size])):
-                out[a + f"{n}_proj.weight"] = w
-            if layer.qkv_proj.bias is not None:
-                for n, b in zip("qkv", layer.qkv_proj.bias.split([q_size, kv_size, kv_size])):
-                    out[a + f"{n}_proj.bias"] = b
-            out[a + "o_proj.weight"] = layer.o_proj.hf_weight
-            if layer.q_norm is not None and layer.k_norm is not None:
-                out[a + "q_norm.weight"] = layer.q_norm.weight
-                out[a + "k_norm.weight"] = layer.k_norm.weight
-            gate, up = layer.gate_up_proj.hf_weight.chunk(2, 0)
-            out[p + "mlp.gate_proj.weight"] = gate
-            out[p + "mlp.up_proj.weight"] = up
-            out[p + "mlp.down_proj.weight"] = layer.down_proj.hf_weight
-            out[p + "input_layernorm.weight"] = layer.input_layernorm.weight
-            out[p + "post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight
-        return out
 
 
 def build_model(

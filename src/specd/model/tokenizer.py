@@ -3,7 +3,7 @@
 A `Tokenizer` wraps a Rust `tokenizers.Tokenizer` (the "backend"); BOS insertion lives in the backend's
 post-processor, so `encode(text)` and `encode(text, add_special_tokens=False)` mean what they mean in
 transformers. Three sources: an HF directory (via transformers), GGUF metadata (byte-level BPE built here,
-anything else via transformers' GGUF conversion) and `for_tests`, an offline byte tokenizer.
+anything else via transformers' GGUF conversion) and, for tests, `specd.testing.byte_tokenizer`.
 """
 
 from __future__ import annotations
@@ -26,14 +26,9 @@ from specd.model.gguf import read_gguf
 _GGUF_CONTROL, _GGUF_USER_DEFINED = 3, 4
 # GGUF pre-tokenizer names whose split is GPT-2's own regex (transformers uses it for these too).
 _GPT2_SPLIT_PRE_TYPES = (None, "default", "gpt2", "gpt-2", "smollm")
-_NUM_SPECIAL_TEST_TOKENS = 3  # for_tests: <pad>, <bos>, <eos>
-_TEST_CHAT_TEMPLATE = (
-    "{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
 
 
-def _byte_level_alphabet() -> dict[int, str]:
+def byte_level_alphabet() -> dict[int, str]:
     """GPT-2's byte -> printable-character spelling, which byte-level BPE vocabularies are written in."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     spelling = {byte: chr(byte) for byte in printable}
@@ -191,36 +186,6 @@ class Tokenizer:
         return Tokenizer._from_transformers(hf_tokenizer, str(gguf_path))
 
     @staticmethod
-    def for_tests(vocab_size: int) -> Tokenizer:
-        """Offline byte tokenizer: 0 <pad>, 1 <bos> (added by encode), 2 <eos>, 3..258 the bytes 0..255,
-        259.. '<tok{id}>' (so random-weight models can emit every id). Needs no files."""
-        num_byte_ids = _NUM_SPECIAL_TEST_TOKENS + 256
-        if vocab_size < num_byte_ids:
-            raise InvalidParameterError("vocab_size", f"must be >= {num_byte_ids} for the byte tokenizer")
-        specials = ["<pad>", "<bos>", "<eos>"]
-        alphabet = _byte_level_alphabet()
-        vocab = {token: i for i, token in enumerate(specials)}
-        vocab.update({alphabet[byte]: _NUM_SPECIAL_TEST_TOKENS + byte for byte in range(256)})
-        extra = [f"<tok{i}>" for i in range(num_byte_ids, vocab_size)]
-        vocab.update({token: num_byte_ids + i for i, token in enumerate(extra)})
-        backend = BackendTokenizer(models.BPE(vocab=vocab, merges=[]))
-        # One pre-token per text and no merges: every byte becomes exactly its own id.
-        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-        backend.decoder = decoders.ByteLevel()
-        backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
-        backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in extra])
-        backend.post_processor = processors.TemplateProcessing(
-            single="<bos> $A", pair="<bos> $A $B:1", special_tokens=[("<bos>", 1)]
-        )
-        return Tokenizer(
-            backend,
-            eos_token_ids=(2,),
-            bos_token_id=1,
-            chat_template=_TEST_CHAT_TEMPLATE,
-            special_tokens={"pad_token": "<pad>", "bos_token": "<bos>", "eos_token": "<eos>"},
-        )
-
-    @staticmethod
     def _from_transformers(hf_tokenizer: Any, source: str) -> Tokenizer:
         backend = getattr(hf_tokenizer, "backend_tokenizer", None)
         if not isinstance(backend, BackendTokenizer):
@@ -246,7 +211,7 @@ def _byte_level_from_gguf(metadata: Mapping[str, Any]) -> Tokenizer:
     tokens: list[str] = list(metadata["tokenizer.ggml.tokens"])
     token_types: list[int] = list(metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens))
     merges = [tuple(merge.split(" ", 1)) for merge in metadata.get("tokenizer.ggml.merges", [])]
-    alphabet = _byte_level_alphabet()
+    alphabet = byte_level_alphabet()
     spelled = set(alphabet.values())
     # Added tokens are sometimes stored with raw spaces/UTF-8; the BPE vocabulary wants byte-level spelling.
     vocab = {

@@ -46,13 +46,11 @@ class DraftModelProposer:
     def __init__(
         self,
         model: LlamaForCausalLM,
-        name: str,
         max_slots: int,
         max_len: int,
         num_layers: int | None = None,
         confidence_threshold: float | None = None,
     ) -> None:
-        self.name = name
         self.model = model
         self.num_layers = num_layers
         self.confidence_threshold = confidence_threshold

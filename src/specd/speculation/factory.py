@@ -35,7 +35,7 @@ def _layerskip(config: EngineConfig, target: LlamaForCausalLM, tokenizer: Tokeni
     if n >= total:
         raise InvalidParameterError("speculation.draft_layers", f"must be < the target's {total} layers")
     return DraftModelProposer(
-        target, "layerskip", config.max_num_seqs, config.max_model_len, num_layers=n,
+        target, config.max_num_seqs, config.max_model_len, num_layers=n,
         confidence_threshold=_confidence(config),
     )
 
@@ -51,7 +51,7 @@ def _draft(config: EngineConfig, target: LlamaForCausalLM, tokenizer: Tokenizer 
         int4=config.int4_weights,
     )
     return DraftModelProposer(
-        draft, "draft", config.max_num_seqs, config.max_model_len, confidence_threshold=_confidence(config)
+        draft, config.max_num_seqs, config.max_model_len, confidence_threshold=_confidence(config)
     )
 
 

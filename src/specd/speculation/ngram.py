@@ -66,8 +66,6 @@ class _SeqIndex:
 class NgramProposer:
     """Deterministic drafts from an incremental n-gram index per sequence (draft_probs is always None)."""
 
-    name = "ngram"
-
     def __init__(self, config: NgramConfig) -> None:
         self.config = config
         self._indexes: dict[int, _SeqIndex] = {}

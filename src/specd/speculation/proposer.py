@@ -52,8 +52,6 @@ class Proposal(NamedTuple):
 class Proposer(Protocol):
     """Implemented by ngram, draft-model and layer-skip proposers."""
 
-    name: str
-
     def propose(self, seqs: Sequence[SequenceView], num_draft_tokens: Sequence[int]) -> Proposal:
         """Return at most num_draft_tokens[i] drafts for seqs[i]; k_i == 0 must return [] for it.
 
