@@ -3,15 +3,34 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal, get_args
 
 import torch
 
 from specd.errors import InvalidParameterError
+from specd.speculation.k_policy import MAX_NUM_SPECULATIVE_TOKENS
+from specd.speculation.ngram import check_match_lengths
+from specd.speculation.policies import K_POLICIES
+from specd.speculation.registry import PROPOSERS, k_policy_unsupported, supporting_methods
 
-SPEC_METHODS = ("off", "ngram", "draft", "layerskip")
-K_POLICIES = ("fixed", "heuristic", "confidence", "goodput")
 # "int4": weight-only int4 (group 32) for decode-sized matmuls, bfloat16 activations and dense fallback.
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int4": torch.bfloat16, "float64": torch.float64}
+# "float64": exact reference runs (tests).
+DType = Literal["float32", "bfloat16", "int4", "float64"]
+DTYPES: dict[str, torch.dtype] = dict(
+    zip(get_args(DType), (torch.float32, torch.bfloat16, torch.bfloat16, torch.float64), strict=True)
+)
+# `method` value that turns speculation off; every other value names a registered proposer.
+SPEC_OFF = "off"
+
+
+def spec_methods() -> list[str]:
+    """Every valid SpeculationConfig.method: "off" and the registered proposers."""
+    return [SPEC_OFF, *PROPOSERS]
+
+
+def k_policies() -> list[str]:
+    """Every valid k policy name (the registry's)."""
+    return list(K_POLICIES)
 
 
 def _positive_int(name: str, value: object, lo: int = 1) -> None:
@@ -23,16 +42,17 @@ def _positive_int(name: str, value: object, lo: int = 1) -> None:
 class SpeculationConfig:
     """How the engine speculates.
 
-    method: "off", "ngram" (prompt lookup), "draft" (a separate small model sharing the vocabulary) or
-    "layerskip" (the target's first `draft_layers` layers + its final norm and LM head).
-    num_speculative_tokens: k_max, the most draft tokens per sequence per step.
-    k_policy: "fixed" (k_i = k_max), "heuristic" (+2 after a fully accepted draft, -1 otherwise, per
-    sequence, within [0, k_max]; a sequence at 0 probes again with k = 1 after `heuristic_probe_interval`
-    steps), "confidence" (model-based proposers stop drafting before a position where the draft's top
-    probability -- of its raw distribution, read before sampling -- falls below `confidence_threshold`; lossless
-    for sampled requests too) or "goodput" (ngram: each step, verify only the draft tokens
-    whose expected acceptance, learned online per match length, pays for their measured verification cost;
-    see specd/speculation/goodput.py).
+    method: "off" or a registered proposer (speculation/registry.py): "ngram" (prompt lookup), "draft" (a
+    separate small model sharing the vocabulary) or "layerskip" (the target's first `draft_layers` layers + its
+    final norm and LM head).
+    num_speculative_tokens: k_max, the most draft tokens per sequence per step (<= 64).
+    k_policy: a registered k policy (speculation/policies/), which declares the proposers it works with:
+    "fixed" (k_i = k_max), "heuristic" (+2 after a fully accepted draft, -1 otherwise, per sequence, within
+    [0, k_max]; a sequence at 0 probes again with k = 1 after `heuristic_probe_interval` steps), "confidence"
+    (model-based proposers stop drafting before a position where the draft's top probability -- of its raw
+    distribution, read before sampling -- falls below `confidence_threshold`; lossless for sampled requests too)
+    or "goodput" (ngram: each step, verify only the draft tokens whose expected acceptance, learned online per
+    match length, pays for their measured verification cost; see speculation/policies/goodput.py).
     """
 
     method: str = "off"
@@ -46,36 +66,37 @@ class SpeculationConfig:
     heuristic_probe_interval: int = 8
 
     def __post_init__(self) -> None:
-        if self.method not in SPEC_METHODS:
-            raise InvalidParameterError("speculation.method", f"must be one of {', '.join(SPEC_METHODS)}")
+        if self.method not in spec_methods():
+            raise InvalidParameterError("speculation.method", f"must be one of {', '.join(spec_methods())}")
         _positive_int("speculation.num_speculative_tokens", self.num_speculative_tokens)
-        if self.num_speculative_tokens > 64:
-            raise InvalidParameterError("speculation.num_speculative_tokens", "must be <= 64")
+        if self.num_speculative_tokens > MAX_NUM_SPECULATIVE_TOKENS:
+            raise InvalidParameterError(
+                "speculation.num_speculative_tokens", f"must be <= {MAX_NUM_SPECULATIVE_TOKENS}"
+            )
         if self.k_policy not in K_POLICIES:
-            raise InvalidParameterError("speculation.k_policy", f"must be one of {', '.join(K_POLICIES)}")
-        _positive_int("speculation.ngram_min_match", self.ngram_min_match)
-        _positive_int("speculation.ngram_max_match", self.ngram_max_match)
-        if self.ngram_min_match > self.ngram_max_match:
-            raise InvalidParameterError("speculation.ngram_min_match", "must be <= ngram_max_match")
+            raise InvalidParameterError("speculation.k_policy", f"must be one of {', '.join(k_policies())}")
+        check_match_lengths(
+            self.ngram_min_match, self.ngram_max_match, "speculation.ngram_min_match", "speculation.ngram_max_match"
+        )
         if self.method == "draft" and not self.draft_model:
             raise InvalidParameterError("speculation.draft_model", "is required when method is 'draft'")
         if self.draft_layers is not None:
             _positive_int("speculation.draft_layers", self.draft_layers)
         if not (0.0 < self.confidence_threshold < 1.0):
             raise InvalidParameterError("speculation.confidence_threshold", "must be in (0, 1)")
-        if self.k_policy == "confidence" and self.method == "ngram":
-            raise InvalidParameterError(
-                "speculation.k_policy", "'confidence' needs a model-based proposer (draft or layerskip)"
-            )
-        if self.k_policy == "goodput" and self.method != "ngram":
-            raise InvalidParameterError(
-                "speculation.k_policy", "'goodput' needs the ngram proposer, whose drafts cost nothing to cut"
-            )
+        if self.enabled:
+            reason = k_policy_unsupported(self.k_policy, PROPOSERS[self.method].traits)
+            if reason is not None:
+                works_with = ", ".join(supporting_methods(self.k_policy)) or "no registered proposer"
+                raise InvalidParameterError(
+                    "speculation.k_policy",
+                    f"{self.k_policy!r} does not work with the {self.method!r} proposer: {reason} ({works_with})",
+                )
         _positive_int("speculation.heuristic_probe_interval", self.heuristic_probe_interval)
 
     @property
     def enabled(self) -> bool:
-        return self.method != "off"
+        return self.method != SPEC_OFF
 
     @property
     def metrics_k_max(self) -> int:
@@ -94,7 +115,7 @@ class EngineConfig:
     """
 
     model: str = "default"
-    dtype: str = "float32"
+    dtype: DType = "float32"
     max_num_seqs: int = 8
     max_model_len: int = 2048
     max_num_batched_tokens: int = 512
@@ -109,7 +130,7 @@ class EngineConfig:
         if not isinstance(self.model, str) or not self.model:
             raise InvalidParameterError("model", "must be a non-empty string")
         if self.dtype not in DTYPES:
-            raise InvalidParameterError("dtype", f"must be one of {', '.join(DTYPES)}")
+            raise InvalidParameterError("dtype", f"must be one of {', '.join(get_args(DType))}")
         _positive_int("max_num_seqs", self.max_num_seqs)
         _positive_int("max_model_len", self.max_model_len, 2)
         _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
@@ -133,3 +154,9 @@ class EngineConfig:
     @property
     def int4_weights(self) -> bool:
         return self.dtype == "int4"
+
+    @property
+    def load_dtype(self) -> torch.dtype:
+        """The dtype checkpoints are read in: int4 quantizes from float32 weights, so that a Q4_1 GGUF's 4-bit
+        codes are recovered exactly before the bfloat16 cast."""
+        return torch.float32 if self.int4_weights else self.torch_dtype

@@ -6,25 +6,36 @@ import itertools
 import logging
 import time
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, field, fields
+from typing import Any, NamedTuple
 
 import torch
 
 from specd.config import EngineConfig, SpeculationConfig
 from specd.engine.engine import LLMEngine
 from specd.engine.outputs import CompletionOutput, RequestDelta, RequestOutput, RequestTimings, TokenLogprob
+from specd.engine.sequence import Prompt
 from specd.errors import InvalidParameterError
 from specd.metrics.log_sink import PeriodicLogger
 from specd.metrics.stats import StatsSink
 from specd.metrics.trace import TraceSink
 from specd.model.llama import LlamaForCausalLM, build_model
+from specd.model.loader import load_checkpoint
 from specd.model.tokenizer import Tokenizer
 from specd.sampling.params import SamplingParams
-from specd.speculation.factory import make_proposer
 from specd.speculation.proposer import Proposer
+from specd.speculation.registry import build_proposer
 
 logger = logging.getLogger("specd")
+
+
+class EngineState(NamedTuple):
+    """The engine between steps: how many requests run and wait, and how the KV-cache slots are used."""
+
+    num_running: int
+    num_waiting: int
+    kv_used_slots: int
+    kv_free_slots: int
 
 
 @dataclass(slots=True)
@@ -37,10 +48,12 @@ class _Accumulator:
 
 
 class LLM:
-    """Offline generation with continuous batching and speculation.
+    """Offline generation with continuous batching and speculation: the facade over the engine that the CLI and
+    the server use too (they call only its public methods).
 
     `LLM(model="default", speculation=SpeculationConfig(method="ngram", k_policy="heuristic"))`. Any
-    EngineConfig field can be passed as a keyword. Use `LLM.from_model` to wrap an in-memory model (tests).
+    EngineConfig field can be passed as a keyword; `LLM.from_config` takes a whole EngineConfig. Use
+    `LLM.from_model` to wrap an in-memory model (tests).
     """
 
     def __init__(
@@ -50,17 +63,22 @@ class LLM:
         stats_sinks: Sequence[StatsSink] = (),
         **engine_kwargs: Any,
     ) -> None:
-        from specd.model.loader import load_checkpoint
-
         config = EngineConfig(model=model, speculation=speculation or SpeculationConfig(), **engine_kwargs)
-        # int4 quantizes from float32 weights, so a Q4_1 GGUF's 4-bit codes are recovered before the bf16 cast.
-        ckpt = load_checkpoint(config.model, torch.float32 if config.int4_weights else config.torch_dtype)
+        checkpoint = load_checkpoint(config.model, config.load_dtype)
         target = build_model(
-            ckpt.config, ckpt.state_dict, config.torch_dtype, max_positions=config.max_model_len,
+            checkpoint.config, checkpoint.state_dict, config.torch_dtype, max_positions=config.max_model_len,
             int4=config.int4_weights,
         )
-        self.source = ckpt.source
-        self._init(config, target, ckpt.tokenizer, stats_sinks)
+        self.source = checkpoint.source
+        self._init(config, target, checkpoint.tokenizer, stats_sinks)
+
+    @classmethod
+    def from_config(cls, config: EngineConfig, stats_sinks: Sequence[StatsSink] = ()) -> LLM:
+        """Load config.model into an LLM with every EngineConfig field honoured."""
+        if not isinstance(config, EngineConfig):
+            raise InvalidParameterError("config", "must be an EngineConfig")
+        kwargs = {f.name: getattr(config, f.name) for f in fields(config) if f.name not in ("model", "speculation")}
+        return cls(config.model, speculation=config.speculation, stats_sinks=stats_sinks, **kwargs)
 
     @classmethod
     def from_model(
@@ -95,8 +113,8 @@ class LLM:
         if config.spec_trace_path:
             self._trace = TraceSink(config.spec_trace_path)
             sinks.append(self._trace)
-        if proposer is None:
-            proposer = make_proposer(config, model, tokenizer)
+        if proposer is None and config.speculation.enabled:
+            proposer = build_proposer(config, model, tokenizer)
         self.engine = LLMEngine(config, model, tokenizer, proposer, stats_sinks=sinks)
         self._periodic = (
             PeriodicLogger(self.engine.recorder, config.log_stats_interval_s, logger)
@@ -114,12 +132,29 @@ class LLM:
             self._trace.flush()
         return deltas
 
+    def prompt(self, prompt: str | None, prompt_token_ids: Sequence[int] | None = None) -> Prompt:
+        """Tokenize (unless token ids are given) and validate a prompt once; `add_request` then takes it as is.
+        Raises InvalidParameterError / PromptTooLongError naming the field."""
+        return self.engine.make_prompt(prompt, prompt_token_ids)
+
+    def chat_prompt(self, messages: Sequence[Mapping[str, str]]) -> Prompt:
+        """One conversation through the model's chat template, tokenized and validated like `prompt`."""
+        if self.tokenizer is None:
+            raise InvalidParameterError("messages", "this model has no tokenizer / chat template")
+        text = self.tokenizer.apply_chat_template(messages)
+        # The template writes its own BOS.
+        return self.prompt(text, self.tokenizer.encode(text, add_special_tokens=False))
+
     def add_request(
-        self, prompt: str | None, params: SamplingParams, prompt_token_ids: list[int] | None = None,
+        self, prompt: str | Prompt | None, params: SamplingParams, prompt_token_ids: Sequence[int] | None = None,
         request_id: str | None = None,
     ) -> str:
+        """Queue a request: a Prompt from `prompt()` / `chat_prompt()`, or text / token ids to make one from.
+        Returns its request id."""
+        if not isinstance(prompt, Prompt):
+            prompt = self.prompt(prompt, prompt_token_ids)
         rid = request_id or f"req-{next(self._ids)}"
-        self.engine.add_request(rid, prompt, params, prompt_token_ids)
+        self.engine.add_request(rid, prompt, params)
         return rid
 
     def abort(self, request_id: str) -> bool:
@@ -192,21 +227,37 @@ class LLM:
         if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
             raise InvalidParameterError("messages", "must be a non-empty list of {role, content} messages")
         conversations = [messages] if isinstance(messages[0], Mapping) else list(messages)
-        prompts = [self.tokenizer.apply_chat_template(c) for c in conversations]  # type: ignore[arg-type]
-        ids = [self.tokenizer.encode(p, add_special_tokens=False) for p in prompts]
-        outs = self.generate(prompt_token_ids=ids, sampling_params=sampling_params)
-        return [_replace_prompt(o, p) for o, p in zip(outs, prompts)]
+        prompts = [self.chat_prompt(c) for c in conversations]  # type: ignore[arg-type]
+        outs = self.generate(prompt_token_ids=[p.token_ids for p in prompts], sampling_params=sampling_params)
+        return [_replace_prompt(o, p.text or "") for o, p in zip(outs, prompts)]
+
+    def has_unfinished(self) -> bool:
+        """Whether any request is waiting, running, or has a delta not handed out by `step` yet."""
+        return self.engine.has_unfinished()
+
+    def queue_room(self) -> int | None:
+        """How many more requests `add_request` accepts now (None = unbounded)."""
+        return self.engine.queue_room()
+
+    def engine_state(self) -> EngineState:
+        """Requests running and waiting, KV-cache slots used and free (call between steps)."""
+        cache = self.engine.cache
+        return EngineState(self.engine.num_running, self.engine.num_waiting, cache.num_used_slots,
+                           cache.num_free_slots)
 
     def get_metrics(self) -> dict[str, Any]:
         """Cumulative speculation metrics (JSON-ready), same definitions as every other sink.
 
-        With the ngram proposer, "goodput_policy" adds the estimates the goodput k policy decides from
-        (throughput, step cost by new tokens, acceptance by match length and position); they are kept whichever
-        policy the engine runs, since any request may choose goodput.
+        Each k policy of the engine that keeps estimates adds them as "<name>_policy": with the ngram proposer,
+        "goodput_policy" holds what the goodput policy decides from (throughput, step cost by new tokens,
+        acceptance by match length and position); they are kept whichever policy the engine runs, since any
+        request may choose goodput.
         """
         metrics = self.engine.recorder.snapshot().to_dict()
-        if self.engine.goodput is not None:
-            metrics["goodput_policy"] = self.engine.goodput.snapshot()
+        for name, policy in self.engine.k_policies.items():
+            estimates = policy.snapshot()
+            if estimates is not None:
+                metrics[f"{name}_policy"] = estimates
         return metrics
 
     def _output(self, rid: str, acc: _Accumulator, final: RequestDelta) -> RequestOutput:

@@ -2,7 +2,6 @@
 
 from specd.engine.sequence import Sequence
 from specd.sampling.params import SamplingParams
-from specd.speculation.k_policy import KPolicy, KState
 
 
 class _WordDetokenizer:
@@ -21,7 +20,7 @@ class _WordDetokenizer:
 def _seq(params: SamplingParams, words: dict[int, str]) -> Sequence:
     return Sequence(
         request_id="r", seq_id=0, prompt=None, prompt_token_ids=[0], params=params, generator=None,
-        arrival_time=0.0, k_max=0, k_policy=KPolicy("fixed"), k_state=KState(0),
+        arrival_time=0.0, k_max=0, k_policy=None,
         detokenizer=_WordDetokenizer(words), eos_token_ids=frozenset(), max_model_len=1000,  # type: ignore[arg-type]
     )
 

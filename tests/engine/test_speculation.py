@@ -12,8 +12,8 @@ from specd.llm import LLM
 from specd.model.attention import ForwardBatch
 from specd.sampling.params import SamplingParams, SpecOverride
 from specd.speculation.draft import DraftModelProposer
-from specd.speculation.goodput import PROBE_INTERVAL
-from specd.speculation.proposer import Proposal
+from specd.speculation.policies.goodput import PROBE_INTERVAL
+from specd.speculation.proposer import Proposal, Proposer
 from specd.testing import tiny_hf_config_dict, tiny_specd_model
 
 PROMPTS = ["hello world, hello world, hello", "abcabcabcabc", "the quick brown fox jumps over the lazy dog. the quick",
@@ -47,9 +47,9 @@ def test_greedy_lossless_every_proposer_and_policy(make_llm, tiny_model, draft_m
     proposer = None
     if method == "draft":
         # 0.06: about the median top probability of these random tiny models, so confidence cuts about half.
-        proposer = DraftModelProposer(draft_model, 8, 256,
-                                      confidence_threshold=0.06 if policy == "confidence" else None)
-        spec = _spec("layerskip", k, policy, draft_layers=1)  # method only enables speculation; proposer injected
+        proposer = DraftModelProposer(draft_model, 8, 256)
+        # method only enables speculation; proposer injected
+        spec = _spec("layerskip", k, policy, draft_layers=1, confidence_threshold=0.06)
     else:
         spec = _spec(method, k, policy, draft_layers=1, confidence_threshold=0.06)
     llm = make_llm(spec, proposer=proposer, max_num_seqs=4)
@@ -70,7 +70,7 @@ def test_self_draft_accepts_everything(make_llm, tiny_model):
             assert s.accepted_tokens == s.draft_tokens
 
 
-class RandomProposer:
+class RandomProposer(Proposer):
     """Adversarial: proposes random tokens, so the target rejects almost all of them."""
 
     name = "random"
@@ -221,9 +221,9 @@ def test_sampled_speculation_matches_target_distribution(tiny_vocab_models, meth
     threshold = 0.3 if policy == "confidence" else None
     proposer = None  # ngram: built from the config
     if method == "layerskip":
-        proposer = DraftModelProposer(target, 64, 64, num_layers=1, confidence_threshold=threshold)
+        proposer = DraftModelProposer(target, 64, 64, num_layers=1)
     elif method in ("draft", "broken-residual"):
-        proposer = DraftModelProposer(draft, 64, 64, confidence_threshold=threshold)
+        proposer = DraftModelProposer(draft, 64, 64)
     spec_method = "ngram" if method == "ngram" else "layerskip"  # layerskip only enables speculation: injected
     cfg = EngineConfig(
         speculation=SpeculationConfig(method=spec_method, num_speculative_tokens=3, draft_layers=1, k_policy=policy,
@@ -232,8 +232,9 @@ def test_sampled_speculation_matches_target_distribution(tiny_vocab_models, meth
     )
     llm = LLM.from_model(target, None, cfg, proposer=proposer)
     if policy == "goodput":
-        assert llm.engine.goodput is not None  # free verification: the plan keeps the drafts it has
-        monkeypatch.setattr(llm.engine.goodput, "marginal_seconds", lambda base_tokens, max_extra: 0.0)
+        planner = llm.engine.k_policies["goodput"].planner
+        assert planner is not None  # free verification: the plan keeps the drafts it has
+        monkeypatch.setattr(planner, "marginal_seconds", lambda base_tokens, max_extra: 0.0)
     # Token 1 comes from the prefill step; tokens 2 and 3 from a speculative step (k = 1: d_1 verified, then
     # the correction or the bonus), so their joint distribution is what speculation must preserve.
     n = 4000
@@ -258,7 +259,7 @@ def test_sampled_speculation_matches_target_distribution(tiny_vocab_models, meth
         assert pvalue > 0.001, f"speculative samples differ from the target distribution (p={pvalue:.2e})"
 
 
-class SecondChoiceProposer:
+class SecondChoiceProposer(Proposer):
     """Drafts, for each sequence, the target's own second most likely next token at temperature 1, and records
     p(d) for it: with sharpened logits that probability is tiny but nonzero, the case a "max == 1.0 means
     greedy" rule gets wrong."""
@@ -310,7 +311,7 @@ def test_saturated_rows_are_not_treated_as_greedy(make_llm):
 
 
 def test_out_of_range_draft_ids_are_refused_naming_the_proposer(make_llm):
-    class MinusOne:
+    class MinusOne(Proposer):
         name = "minus-one"
 
         def propose(self, seqs, num_draft_tokens):
@@ -329,7 +330,7 @@ def test_out_of_range_draft_ids_are_refused_naming_the_proposer(make_llm):
 def test_goodput_verifies_only_drafts_that_pay_and_stays_lossless(make_llm, monkeypatch, slope_s):
     plain = _plain(make_llm)
     llm = make_llm(_spec("ngram", 6, "goodput"), max_num_seqs=4)
-    planner = llm.engine.goodput
+    planner = llm.engine.k_policies["goodput"].planner
     assert planner is not None
     # Free verification keeps every draft; a second per extra token (vs ms-scale steps) makes none pay.
     monkeypatch.setattr(planner, "marginal_seconds", lambda base_tokens, max_extra: slope_s)

@@ -10,7 +10,7 @@ import pytest
 from specd.config import SpeculationConfig
 from specd.errors import InvalidParameterError
 from specd.sampling.params import SamplingParams, SpecOverride
-from specd.speculation.goodput import PROBE_INTERVAL, GoodputPlanner
+from specd.speculation.policies.goodput import PROBE_INTERVAL, GoodputPlanner
 
 
 def _planner_with_cost(slope_s: float, fixed_s: float = 0.01, tokens_per_s: float = 100.0) -> GoodputPlanner:

@@ -81,8 +81,8 @@ class _FailingOnce:
 
 
 def test_failed_request_is_500_and_server_keeps_serving(server):
-    engine = server.llm.engine
-    engine.model = _FailingOnce(engine.model)
+    runner = server.llm.engine.runner  # owns the target model
+    runner.model = _FailingOnce(runner.model)
     try:
         response = server.post("/v1/completions", json={"prompt": "abc", "max_tokens": 4})
         assert response.status_code == 500
@@ -90,21 +90,21 @@ def test_failed_request_is_500_and_server_keeps_serving(server):
         assert error["type"] == "server_error" and "injected forward failure" in error["message"]
         _good_request_works(server)
     finally:
-        engine.model = engine.model.model
+        runner.model = runner.model.model
     errors = ("specd_request_finished_total", (("finish_reason", "error"), ("model", server.model)))
     assert server.metrics()[errors] == 1
 
 
 def test_failed_stream_ends_with_error_event(server):
-    engine = server.llm.engine
-    engine.model = _FailingOnce(engine.model)
+    runner = server.llm.engine.runner  # owns the target model
+    runner.model = _FailingOnce(runner.model)
     try:
         response = server.post("/v1/completions", json={"prompt": "abc", "max_tokens": 4, "stream": True})
         events = [line for line in response.text.splitlines() if line]
         assert '"error"' in events[-2] and "injected forward failure" in events[-2]
         assert events[-1] == "data: [DONE]"
     finally:
-        engine.model = engine.model.model
+        runner.model = runner.model.model
     _good_request_works(server)
 
 

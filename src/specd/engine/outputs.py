@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from specd.metrics.stats import RequestSpecStats
+
+# Why a request ended: "stop" (EOS, a stop token or string), "length" (max_tokens or max_model_len), "abort"
+# (aborted by its caller), "error" (its step failed).
+FinishReason = Literal["stop", "length", "abort", "error"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +46,7 @@ class RequestDelta:
     new_text: str
     new_logprobs: list[TokenLogprob] | None
     finished: bool
-    finish_reason: str | None
+    finish_reason: FinishReason | None
     num_prompt_tokens: int
     num_output_tokens: int
     spec_stats: RequestSpecStats | None = None
@@ -55,7 +59,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None
+    finish_reason: FinishReason | None
     logprobs: list[TokenLogprob] | None = None
 
 

@@ -4,13 +4,21 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
-from specd.engine.outputs import TokenLogprob
+from specd.engine.outputs import FinishReason, TokenLogprob
 from specd.model.tokenizer import IncrementalDetokenizer
 from specd.sampling.params import SamplingParams
-from specd.speculation.k_policy import KPolicy, KState
+from specd.speculation.k_policy import KPolicy
+
+
+class Prompt(NamedTuple):
+    """A validated prompt (LLMEngine.make_prompt): its text, when it came as text, and its token ids."""
+
+    text: str | None
+    token_ids: list[int]
 
 
 class SeqStatus(enum.Enum):
@@ -34,9 +42,8 @@ class Sequence:
     params: SamplingParams
     generator: torch.Generator | None
     arrival_time: float
-    k_max: int
-    k_policy: KPolicy
-    k_state: KState
+    k_max: int  # this request's cap on k_i (0: no speculation)
+    k_policy: KPolicy | None  # decides its k_i; None when k_max is 0
     detokenizer: IncrementalDetokenizer | None
     eos_token_ids: frozenset[int]
     max_model_len: int
@@ -45,7 +52,7 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     slot: int | None = None
     num_computed: int = 0
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     text: str = ""
     num_text_streamed: int = 0
     first_token_time: float | None = None

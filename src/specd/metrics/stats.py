@@ -1,9 +1,9 @@
 """Speculation statistics, computed in one place: the recorder the engine calls once per step.
 
 Pure computation, no exporter imports. Sinks (log line, Prometheus, JSONL trace) only write what the
-recorder hands them. The hot path (`record_step`) does one device-to-host copy of the [3, num_seqs]
-count tensor and a few integer increments per sequence; everything derived is computed lazily when a
-snapshot is taken.
+recorder hands them. The hot path (`record_counts`, or `record_step` for counts in one [3, num_seqs] tensor,
+which costs one device-to-host copy) does a few integer increments per sequence; everything derived is
+computed lazily when a snapshot is taken.
 
 Running counters live in a flat list of ints ("cells"): cell k * (k_max + 1) + a counts sequence-steps
 with (k_i, a_i) = (k, a) (cell 0 is the non-speculative sequence-steps), followed by the tokens emitted by
@@ -164,21 +164,40 @@ class SpecStatsRecorder:
         request_ids: Sequence[str],
         counts: torch.Tensor,  # [3, num_seqs] integer: rows k_i, a_i, e_i
         times: StepPhaseTimes,
-        detail_request_ids: frozenset[str] | set[str] = frozenset(),
+        detail_request_ids: Collection[str] = frozenset(),
     ) -> None:
-        """Add one verification step to every window and hand its record to every sink.
+        """`record_counts` for counts held in one tensor (e.g. on a device): one device-to-host copy.
 
-        Sequences with k_i == 0 are included (they count as non-speculative sequence-steps). Raises
-        ValueError, changing nothing, if the shape or any (k_i, a_i, e_i) is out of range.
+        Raises ValueError, changing nothing, if the shape or dtype is wrong.
         """
         num_seqs = len(request_ids)
         if counts.dim() != 2 or counts.shape[0] != 3 or counts.shape[1] != num_seqs:
             raise ValueError(f"counts: expected shape [3, {num_seqs}], got {list(counts.shape)}")
-        if num_seqs == 0:
-            raise ValueError("request_ids: a step verifies at least one sequence")
         if counts.dtype not in _INT_DTYPES:
             raise ValueError(f"counts: expected an integer tensor, got {counts.dtype}")
-        num_draft, num_accepted, num_emitted = counts.tolist()  # the step's only device-to-host copy
+        num_draft, num_accepted, num_emitted = counts.tolist()
+        self.record_counts(request_ids, num_draft, num_accepted, num_emitted, times, detail_request_ids)
+
+    def record_counts(
+        self,
+        request_ids: Sequence[str],
+        num_draft: Sequence[int],  # k_i per sequence
+        num_accepted: Sequence[int],  # a_i
+        num_emitted: Sequence[int],  # e_i
+        times: StepPhaseTimes,
+        detail_request_ids: Collection[str] = frozenset(),
+    ) -> None:
+        """Add one verification step to every window and hand its record to every sink.
+
+        Sequences with k_i == 0 are included (they count as non-speculative sequence-steps). Raises
+        ValueError, changing nothing, if the lengths differ or any (k_i, a_i, e_i) is out of range.
+        """
+        num_seqs = len(request_ids)
+        if num_seqs == 0:
+            raise ValueError("request_ids: a step verifies at least one sequence")
+        if not len(num_draft) == len(num_accepted) == len(num_emitted) == num_seqs:
+            raise ValueError(f"counts: expected {num_seqs} (k_i, a_i, e_i) per sequence")
+        num_draft, num_accepted, num_emitted = list(num_draft), list(num_accepted), list(num_emitted)
         k_max = self.k_max
         for index, (k, a, e) in enumerate(zip(num_draft, num_accepted, num_emitted)):
             if not (0 <= a <= k <= k_max and 0 <= e <= a + 1):

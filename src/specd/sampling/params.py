@@ -9,6 +9,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from specd.errors import InvalidParameterError
+from specd.speculation.k_policy import MAX_NUM_SPECULATIVE_TOKENS
+from specd.speculation.policies import K_POLICIES
 
 _MAX_LOGPROBS = 20
 
@@ -23,8 +25,9 @@ class SpecOverride:
 
     enabled=False turns speculation off for this request (k_i = 0 every step).
     num_speculative_tokens caps k for this request (must be <= the engine's k_max).
-    k_policy, when set: "fixed", "heuristic" or "goodput" (goodput needs an ngram engine); "confidence" is set
-    per engine only.
+    k_policy, when set: a registered k policy ("fixed", "heuristic", "confidence", "goodput") that works with the
+    engine's proposer (goodput needs ngram, confidence a model-based proposer); the engine checks that when the
+    request is added.
     """
 
     enabled: bool = True
@@ -35,11 +38,15 @@ class SpecOverride:
         if not isinstance(self.enabled, bool):
             raise InvalidParameterError("speculation.enabled", "must be a boolean")
         k = self.num_speculative_tokens
-        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0 or k > 64):
-            raise InvalidParameterError("speculation.num_speculative_tokens", "must be an integer in [0, 64]")
-        if self.k_policy is not None and self.k_policy not in ("fixed", "heuristic", "confidence", "goodput"):
+        if k is not None and (
+            isinstance(k, bool) or not isinstance(k, int) or k < 0 or k > MAX_NUM_SPECULATIVE_TOKENS
+        ):
             raise InvalidParameterError(
-                "speculation.k_policy", "must be one of 'fixed', 'heuristic', 'confidence', 'goodput'"
+                "speculation.num_speculative_tokens", f"must be an integer in [0, {MAX_NUM_SPECULATIVE_TOKENS}]"
+            )
+        if self.k_policy is not None and self.k_policy not in K_POLICIES:
+            raise InvalidParameterError(
+                "speculation.k_policy", f"must be one of {', '.join(repr(name) for name in K_POLICIES)}"
             )
 
 

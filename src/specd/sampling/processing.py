@@ -5,8 +5,9 @@ top-p and min-p (vLLM's order), renormalised. The rejection sampler compares the
 distributions, so speculation is lossless with respect to exactly what a non-speculative run would sample.
 
 Greedy rows become exactly one-hot at the argmax. That makes "accept with probability p(d) / q(d)" reduce to
-"accept iff d == argmax" and lets `sample_from_probs` skip randomness for them, with no greedy special case
-anywhere downstream.
+"accept iff d == argmax" and lets `sample_from_probs` skip randomness for them, so the rejection rule needs no
+greedy case. The one greedy shortcut downstream is `rejection.greedy_verify`, which makes those same decisions
+from the logits, without building distributions, when a whole step is greedy with deterministic drafts.
 """
 
 from __future__ import annotations

@@ -21,7 +21,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from specd.sampling.processing import is_one_hot, sample_from_probs
+from specd.sampling.params import SamplingParams
+from specd.sampling.processing import build_sampling_batch, is_one_hot, logits_to_probs, sample_from_probs
 
 
 class RejectionResult(NamedTuple):
@@ -29,6 +30,28 @@ class RejectionResult(NamedTuple):
 
     output_token_ids: list[list[int]]  # accepted drafts d_1..d_a, then one correction or bonus token
     num_accepted: list[int]  # a_i, 0 <= a_i <= k_i; len(output_token_ids[i]) == a_i + 1
+
+
+def verify(
+    target_logits: Tensor,  # [sum(k_i + 1), vocab_size], rows [last, d_1..d_k] per sequence
+    draft_token_ids: Sequence[Sequence[int]],  # per sequence, k_i ids each
+    draft_probs: Tensor | None,  # [sum(k_i), vocab_size] processed q in sequence order, or None: deterministic
+    params: Sequence[SamplingParams],  # per sequence
+    generators: Sequence[torch.Generator | None],  # per sequence
+) -> RejectionResult:
+    """Verify one step's drafts (k_i = 0 is plain sampling) with the cheapest exact rule.
+
+    The one choice of verifier: when every request is greedy and the drafts are deterministic, `greedy_verify`
+    makes the same decisions from the logits directly; otherwise the logits are processed into each request's
+    distribution and `rejection_sample` runs. Changes only the generators.
+    """
+    num_draft = [len(draft) for draft in draft_token_ids]
+    flat = [token for draft in draft_token_ids for token in draft]
+    if draft_probs is None and all(p.greedy for p in params):
+        return greedy_verify(target_logits, flat, num_draft)
+    sampling = build_sampling_batch(params, [k + 1 for k in num_draft], target_logits.device)
+    target_probs = logits_to_probs(target_logits, sampling)  # [sum(k_i + 1), vocab_size]
+    return rejection_sample(target_probs, torch.tensor(flat, dtype=torch.long), draft_probs, num_draft, generators)
 
 
 def rejection_sample(

@@ -12,13 +12,20 @@ target's bonus/correction token and stop truncation are all caught up in the fir
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
+from specd.errors import InvalidParameterError, ModelLoadError
 from specd.model.attention import ForwardBatch
-from specd.model.llama import LlamaForCausalLM
+from specd.model.llama import LlamaForCausalLM, build_model
+from specd.model.loader import load_checkpoint
+from specd.model.tokenizer import Tokenizer
 from specd.sampling.processing import build_sampling_batch, logits_to_probs, sample_from_probs
-from specd.speculation.proposer import Proposal, SequenceView
+from specd.speculation.proposer import Proposal, Proposer, ProposerTraits, SequenceView
+
+if TYPE_CHECKING:
+    from specd.config import EngineConfig
 
 
 def _common_prefix(a: list[int], b: Sequence[int]) -> int:
@@ -31,17 +38,21 @@ def _common_prefix(a: list[int], b: Sequence[int]) -> int:
     return i
 
 
-class DraftModelProposer:
+def _stops(view: SequenceView, position: int, top_prob: float) -> bool:
+    return view.draft_stop is not None and view.draft_stop.stop(position, top_prob)
+
+
+class DraftModelProposer(Proposer):
     """Drafts with `model` (first `num_layers` layers if given).
 
-    confidence_threshold (the `confidence` k policy; None = never stop early): a sequence's draft stops before
-    position j when the draft model's top probability at j -- softmax of its raw logits, before the request's
-    temperature/top-k/top-p -- is below the threshold. The rule reads only the draft distribution q_j, never the
-    token sampled from it, which is what keeps sampled speculation lossless: whether position j is verified then
-    depends only on the accepted prefix, and given that prefix the target's rule emits exactly p_j either way.
-    (Dropping a token because of its own sampled probability would hand the verifier a q that the token was not
-    drawn from, and bias the output.) The raw distribution also gives greedy requests a signal, where q is one-hot.
+    A sequence whose view carries a `draft_stop` rule (the `confidence` k policy) is asked before each position j
+    with the draft model's top probability at j -- softmax of its raw logits, before the request's
+    temperature/top-k/top-p -- and read before sampling, so the rule can never depend on the token sampled at j
+    (see DraftStop for why that keeps sampled speculation lossless). The raw distribution also gives greedy
+    requests a signal, where the processed q is one-hot.
     """
+
+    traits = ProposerTraits(stops_while_drafting=True)
 
     def __init__(
         self,
@@ -49,11 +60,9 @@ class DraftModelProposer:
         max_slots: int,
         max_len: int,
         num_layers: int | None = None,
-        confidence_threshold: float | None = None,
     ) -> None:
         self.model = model
         self.num_layers = num_layers
-        self.confidence_threshold = confidence_threshold
         self.cache = model.make_cache(max_slots, max_len, num_layers=num_layers)
         self._slots: dict[int, int] = {}
         self._cached: dict[int, list[int]] = {}  # tokens whose KV the draft cache holds, per seq_id
@@ -99,12 +108,12 @@ class DraftModelProposer:
                 sid = seqs[i].seq_id
                 self._cached[sid].extend(feed[i])
                 self.cache.set_len(self._slots[sid], len(self._cached[sid]))
-            if self.confidence_threshold is not None:
+            if any(seqs[i].draft_stop is not None for i in active):
                 # Decided before sampling, from the draft's own distribution alone (see the class docstring).
-                confident = torch.softmax(logits.float(), dim=-1).amax(dim=-1) >= self.confidence_threshold
-                keep_rows = torch.nonzero(confident).squeeze(1).tolist()
+                top_probs = torch.softmax(logits.float(), dim=-1).amax(dim=-1).tolist()  # [num_active]
+                keep_rows = [row for row, i in enumerate(active) if not _stops(seqs[i], len(drafts[i]), top_probs[row])]
                 active = [active[r] for r in keep_rows]
-                logits = logits[keep_rows]  # [num_confident, vocab_size]
+                logits = logits[keep_rows]  # [num_kept, vocab_size]
                 if not active:
                     break
             sampling = build_sampling_batch([seqs[i].params for i in active], [1] * len(active), logits.device)
@@ -122,3 +131,41 @@ class DraftModelProposer:
         rows = [p for per_seq in probs_per_seq for p in per_seq]
         draft_probs = torch.stack(rows) if rows else None  # [total_drafts, vocab_size]
         return Proposal(drafts, draft_probs)
+
+
+def build_layerskip(config: EngineConfig, target: LlamaForCausalLM, tokenizer: Tokenizer | None) -> DraftModelProposer:
+    """`layerskip`: the target's first `draft_layers` layers (default: a quarter) + its final norm and LM head."""
+    num_layers = config.speculation.draft_layers
+    total = target.config.num_layers
+    if num_layers is None:
+        num_layers = max(1, total // 4)
+    if num_layers >= total:
+        raise InvalidParameterError("speculation.draft_layers", f"must be < the target's {total} layers")
+    return DraftModelProposer(target, config.max_num_seqs, config.max_model_len, num_layers=num_layers)
+
+
+def build_draft(config: EngineConfig, target: LlamaForCausalLM, tokenizer: Tokenizer | None) -> DraftModelProposer:
+    """`draft`: a separate checkpoint (`draft_model`) that must share the target's vocabulary."""
+    # int4 quantizes from float32 weights, as for the target.
+    checkpoint = load_checkpoint(config.speculation.draft_model or "", config.load_dtype)
+    check_same_vocabulary(target, tokenizer, checkpoint.config.vocab_size, checkpoint.tokenizer)
+    draft = build_model(
+        checkpoint.config, checkpoint.state_dict, config.torch_dtype, max_positions=config.max_model_len,
+        int4=config.int4_weights,
+    )
+    return DraftModelProposer(draft, config.max_num_seqs, config.max_model_len)
+
+
+def check_same_vocabulary(
+    target: LlamaForCausalLM, tokenizer: Tokenizer | None, draft_vocab_size: int, draft_tokenizer: Tokenizer | None
+) -> None:
+    """A draft model must share the target's vocabulary, or its token ids mean something else."""
+    if draft_vocab_size != target.config.vocab_size:
+        raise ModelLoadError(
+            f"speculation.draft_model: vocabulary size {draft_vocab_size} differs from the target's "
+            f"{target.config.vocab_size}; a draft model must share the target's tokenizer"
+        )
+    if tokenizer is not None and draft_tokenizer is not None:
+        probe = "Hello, world! def f(x): return x ** 2  # ünïcødé 1234"
+        if tokenizer.encode(probe, add_special_tokens=False) != draft_tokenizer.encode(probe, add_special_tokens=False):
+            raise ModelLoadError("speculation.draft_model: its tokenizer encodes text differently from the target's")

@@ -1,49 +1,124 @@
-"""How many draft tokens each sequence gets each step (k_i), decided per sequence from its own history.
+"""The one interface every k policy implements: how many draft tokens each sequence gets (k_i), and why.
 
-The policy state is one small record per sequence (`KState`) that travels with the sequence; the policy
-functions are pure: they read the state and return the next one.
+A policy decides at three points of a step and learns at a fourth; the engine calls every policy the same way
+and never looks at which one it has:
+
+  schedule  <- `plan`: the k_i each of its sequences asks for (the scheduler may cut it to fit the budget);
+  propose   <- `draft_stop`: a rule a model-based proposer consults before each draft position (None: draft k_i);
+  plan k    <- `keep`: after drafting, how much of each draft to verify (a prefix), seeing the whole step;
+  record    <- `observe`: every sampled sequence's outcome and the step's measured cost.
+
+State lives in the policy object, keyed by seq_id (like a proposer's caches): `add` when a request that uses the
+policy joins, `release` when it leaves. An engine holds one instance per policy its proposer supports, so a request
+can override the engine's policy (`SpecOverride.k_policy`). Which proposers a policy works with, it declares itself
+(`unsupported`), against the traits proposers declare (`ProposerTraits`).
+
+Adding a policy: one module with a class implementing this protocol, and one line in speculation/registry.py.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, NamedTuple, Protocol
+
+if TYPE_CHECKING:
+    from specd.config import SpeculationConfig
+    from specd.speculation.proposer import DraftStop, ProposerTraits
 
 
-@dataclass(frozen=True, slots=True)
-class KState:
-    """Per-sequence policy state. k is the number asked next step; idle_steps counts steps spent at k = 0."""
-
-    k: int
-    idle_steps: int = 0
+# The most draft tokens any sequence may get in one step (k_max's upper bound, engine-wide and per request).
+MAX_NUM_SPECULATIVE_TOKENS = 64
 
 
-@dataclass(frozen=True, slots=True)
-class KPolicy:
-    """fixed: k_i = k_max always. heuristic: +2 after a fully accepted draft, -1 after a partly rejected one,
-    within [0, k_max]; at 0 the sequence waits `probe_interval` steps, then probes with k = 1 (otherwise a
-    sequence at 0 would never produce the evidence to grow again). confidence: k_i = k_max; the model-based
-    proposer stops each draft early by the draft's own probability (see the draft proposer)."""
+class EngineLoad(NamedTuple):
+    """What a policy sees of the engine when it plans k, before the step's batch is formed."""
 
-    name: str
-    probe_interval: int = 8
+    num_running: int  # sequences holding a KV slot (decoding or prefilling)
+    num_waiting: int  # requests queued for a slot
+    max_num_batched_tokens: int  # the token budget of one step
 
-    def initial(self, k_max: int) -> KState:
-        return KState(k=k_max)
 
-    def update(self, state: KState, k_max: int, num_drafted: int, num_accepted: int) -> KState:
-        """State after one step where `num_drafted` tokens were proposed and `num_accepted` accepted.
+class StepView(NamedTuple):
+    """The step being planned, after drafting: what `keep` can weigh one more verified token against."""
 
-        A step where the proposer found nothing (num_drafted == 0 while k > 0, e.g. no n-gram match) says
-        nothing about acceptance, so k is kept.
-        """
-        if self.name != "heuristic":
-            return KState(k=k_max)
-        if state.k == 0:
-            if state.idle_steps + 1 >= self.probe_interval:
-                return KState(k=min(1, k_max))
-            return KState(k=0, idle_steps=state.idle_steps + 1)
-        if num_drafted == 0:
-            return state
-        if num_accepted == num_drafted:
-            return KState(k=min(k_max, state.k + 2))
-        return KState(k=max(0, state.k - 1))
+    num_seqs: int  # sequences in the step's target forward (decode and prefill)
+    num_new_tokens: int  # tokens that forward processes if every draft proposed so far is kept
+    max_num_batched_tokens: int
+    decode_only: bool  # no prompt chunk in the step
+
+
+class DraftSpan(NamedTuple):
+    """One sequence's draft as proposed: its length and the proposer's confidence class (0 when none)."""
+
+    seq_id: int
+    num_tokens: int
+    bucket: int
+
+
+class DraftOutcome(NamedTuple):
+    """What verification did with one sampled sequence's draft this step (k_i = 0 for plain decoding)."""
+
+    seq_id: int
+    num_drafted: int
+    num_accepted: int
+    bucket: int
+
+
+class StepReport(NamedTuple):
+    """One finished step, for `observe`: the outcome of every sequence the step sampled (whichever policy it
+    uses) and what the step cost."""
+
+    outcomes: Sequence[DraftOutcome]
+    num_new_tokens: int  # tokens in the target forward
+    verify_s: float  # wall time of the target forward plus verification
+    step_s: float  # wall time of the whole step (propose .. commit)
+    num_emitted: int  # tokens the step emitted, all sequences together
+    decode_only: bool
+
+
+class KPolicy(Protocol):
+    """A k policy. See the module docstring for when each method is called.
+
+    Subclass it to inherit the defaults: works with every proposer, no stop rule, keeps whole drafts, learns
+    nothing, shows no estimates.
+    """
+
+    @classmethod
+    def from_config(cls, spec: SpeculationConfig) -> KPolicy:
+        """A fresh instance with the engine-wide settings it needs (thresholds, intervals)."""
+        ...
+
+    @classmethod
+    def unsupported(cls, traits: ProposerTraits) -> str | None:
+        """Why this policy cannot work with a proposer that has `traits`, or None when it can."""
+        return None
+
+    def add(self, seq_id: int, k_max: int) -> None:
+        """A request using this policy joined; k_max (>= 1) caps every k_i it will plan for it."""
+        ...
+
+    def plan(self, seq_ids: Sequence[int], load: EngineLoad) -> list[int]:
+        """k_i in [0, k_max_i] for each of its running sequences, before scheduling. Changes no state."""
+        ...
+
+    def draft_stop(self, seq_id: int) -> DraftStop | None:
+        """The stop-while-drafting rule for this sequence's next draft, or None to draft all k_i."""
+        return None
+
+    def keep(self, drafts: Sequence[DraftSpan], step: StepView) -> list[int]:
+        """How many tokens of each (non-empty) draft to verify: a prefix, 0 <= keep_i <= drafts[i].num_tokens.
+        May change the policy's own bookkeeping (e.g. how long a sequence has been cut)."""
+        return [draft.num_tokens for draft in drafts]
+
+    def observe(self, report: StepReport) -> None:
+        """Learn from a finished step. Called every step on every policy of the engine, with every sampled
+        sequence: a policy updates its own sequences and may learn from all of them."""
+        return None
+
+    def release(self, seq_id: int) -> None:
+        """Forget a finished or aborted sequence (unknown ids are ignored)."""
+        ...
+
+    def snapshot(self) -> dict[str, object] | None:
+        """JSON-ready estimates the policy decides from (LLM.get_metrics shows them), or None when it has none."""
+        return None

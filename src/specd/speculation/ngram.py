@@ -15,12 +15,29 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from specd.errors import InvalidParameterError
-from specd.speculation.proposer import Proposal, SequenceView
+from specd.speculation.proposer import Proposal, Proposer, ProposerTraits, SequenceView
+
+if TYPE_CHECKING:
+    from specd.config import EngineConfig
+    from specd.model.llama import LlamaForCausalLM
+    from specd.model.tokenizer import Tokenizer
 
 # n-grams longer than this are never useful for prompt lookup and only multiply index memory.
 _MAX_MATCH_LIMIT = 64
+
+
+def check_match_lengths(min_match: object, max_match: object, min_field: str, max_field: str) -> None:
+    """The suffix lengths prompt lookup accepts: integers in [1, 64], min <= max. Raises naming the field."""
+    for name, value in ((min_field, min_match), (max_field, max_match)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise InvalidParameterError(name, f"must be an integer, got {type(value).__name__}")
+        if value < 1 or value > _MAX_MATCH_LIMIT:
+            raise InvalidParameterError(name, f"must be in [1, {_MAX_MATCH_LIMIT}], got {value}")
+    if min_match > max_match:  # type: ignore[operator]
+        raise InvalidParameterError(min_field, f"must be <= {max_field} ({max_match}), got {min_match}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,16 +53,7 @@ class NgramConfig:
     max_match: int = 4
 
     def __post_init__(self) -> None:
-        for name, value in (("ngram.min_match", self.min_match), ("ngram.max_match", self.max_match)):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise InvalidParameterError(name, f"must be an integer, got {type(value).__name__}")
-            if value < 1 or value > _MAX_MATCH_LIMIT:
-                raise InvalidParameterError(name, f"must be in [1, {_MAX_MATCH_LIMIT}], got {value}")
-        if self.min_match > self.max_match:
-            raise InvalidParameterError(
-                "ngram.min_match",
-                f"must be <= ngram.max_match ({self.max_match}), got {self.min_match}",
-            )
+        check_match_lengths(self.min_match, self.max_match, "ngram.min_match", "ngram.max_match")
 
 
 @dataclass(slots=True)
@@ -63,8 +71,10 @@ class _SeqIndex:
     latest_end: list[dict[tuple[int, ...], int]] = field(default_factory=list)
 
 
-class NgramProposer:
+class NgramProposer(Proposer):
     """Deterministic drafts from an incremental n-gram index per sequence (draft_probs is always None)."""
+
+    traits = ProposerTraits(free_drafts=True)
 
     def __init__(self, config: NgramConfig) -> None:
         self.config = config
@@ -151,3 +161,9 @@ class NgramProposer:
 
     def _match_lengths(self) -> range:
         return range(self.config.min_match, self.config.max_match + 1)
+
+
+def build_ngram(config: EngineConfig, target: LlamaForCausalLM, tokenizer: Tokenizer | None) -> NgramProposer:
+    """`ngram`: prompt lookup with the configured suffix lengths."""
+    spec = config.speculation
+    return NgramProposer(NgramConfig(min_match=spec.ngram_min_match, max_match=spec.ngram_max_match))

@@ -38,6 +38,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from specd.speculation.k_policy import DraftSpan, EngineLoad, KPolicy, StepReport, StepView
+
+if TYPE_CHECKING:
+    from specd.config import SpeculationConfig
+    from specd.speculation.proposer import ProposerTraits
 
 _FORWARD_EMA = 0.2  # weight of a new forward time in its N's mean, once the mean has _FORWARD_WARM samples
 _FORWARD_WARM = 5
@@ -216,3 +223,56 @@ class GoodputPlanner:
             "forward_ms_by_new_tokens": {str(n): round(t * 1e3, 3) for n, (t, _) in sorted(self._forward.items())},
             "accept_prob_by_bucket_and_position": acceptance,
         }
+
+
+class GoodputK(KPolicy):
+    """The goodput policy: ask for k_max, draft, then verify only what pays (see the module docstring).
+
+    Its estimates are engine-wide: it learns acceptance from every sequence's drafts and cost from every
+    decode-only step, whichever policy those sequences use, so a request switching to goodput starts informed.
+    """
+
+    def __init__(self) -> None:
+        self.planner = GoodputPlanner()
+        self._k_max: dict[int, int] = {}
+
+    @classmethod
+    def from_config(cls, spec: SpeculationConfig) -> GoodputK:
+        return cls()
+
+    @classmethod
+    def unsupported(cls, traits: ProposerTraits) -> str | None:
+        if traits.free_drafts:
+            return None
+        return "it cuts drafts after they are made, which pays only when drafting costs nothing (prompt lookup)"
+
+    def add(self, seq_id: int, k_max: int) -> None:
+        self._k_max[seq_id] = k_max
+
+    def plan(self, seq_ids: Sequence[int], load: EngineLoad) -> list[int]:
+        return [self._k_max[seq_id] for seq_id in seq_ids]
+
+    def keep(self, drafts: Sequence[DraftSpan], step: StepView) -> list[int]:
+        lengths = [draft.num_tokens for draft in drafts]
+        plan = self.planner.plan(
+            [draft.seq_id for draft in drafts], [draft.bucket for draft in drafts], lengths,
+            base_tokens=step.num_new_tokens - sum(lengths),
+        )
+        return plan.keep
+
+    def observe(self, report: StepReport) -> None:
+        # Only decode/verification steps feed the cost and throughput estimates: prefill time is not what
+        # drafting competes with.
+        if report.decode_only:
+            self.planner.observe_forward(report.num_new_tokens, report.verify_s)
+        for outcome in report.outcomes:
+            self.planner.observe_draft(outcome.seq_id, outcome.bucket, outcome.num_drafted, outcome.num_accepted)
+        if report.decode_only:
+            self.planner.observe_step(report.num_emitted, report.step_s)
+
+    def release(self, seq_id: int) -> None:
+        self._k_max.pop(seq_id, None)
+        self.planner.release(seq_id)
+
+    def snapshot(self) -> dict[str, object] | None:
+        return self.planner.snapshot()
