@@ -34,7 +34,7 @@ def no_model_load(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("the model was loaded although the arguments are invalid")
 
-    monkeypatch.setattr(cli, "build_llm", refuse)
+    monkeypatch.setattr(cli.LLM, "from_config", refuse)
 
 
 # ------------------------------------------------------------------------------ bad input (no model)

@@ -1,4 +1,5 @@
-"""`specd` command line: generate, models, stats, serve, bench."""
+"""`specd` command line: generate, models, stats, serve. The engine flags and their mapping onto EngineConfig
+live in config_args.py (shared with the server)."""
 
 from __future__ import annotations
 
@@ -8,74 +9,11 @@ import logging
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import fields
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from specd.llm import LLM
-    from specd.metrics.stats import StatsSink
-
-from specd.config import EngineConfig, SpeculationConfig
+from specd.config_args import add_engine_arguments, engine_config_from_args
 from specd.errors import SpecdError
+from specd.llm import LLM
 from specd.sampling.params import SamplingParams, SpecOverride
-
-
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """Model, engine and speculation flags shared by `generate` and `serve`."""
-    g = parser.add_argument_group("model and engine")
-    g.add_argument("--model", default="default", help="'default' (SmolLM2-135M-Instruct GGUF), a HF dir or .gguf")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "int4"],
-                   help="int4: int4 weights for decode-sized matmuls (a Q4_1 GGUF's codes kept exactly), "
-                   "bfloat16 activations")
-    g.add_argument("--max-num-seqs", type=int, default=8)
-    g.add_argument("--max-model-len", type=int, default=2048)
-    g.add_argument("--max-num-batched-tokens", type=int, default=512)
-    g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    g.add_argument("--seed", type=int, default=0, help="engine seed for requests without their own")
-    s = parser.add_argument_group("speculation")
-    s.add_argument("--spec", default="off", choices=["off", "ngram", "draft", "layerskip"])
-    s.add_argument("--num-spec-tokens", type=int, default=4, help="k_max: most draft tokens per sequence per step")
-    s.add_argument("--k-policy", default="fixed", choices=["fixed", "heuristic", "confidence", "goodput"])
-    s.add_argument("--draft-model", default=None, help="draft model (HF dir or .gguf) for --spec draft")
-    s.add_argument("--draft-layers", type=int, default=None, help="layers used by --spec layerskip")
-    s.add_argument("--ngram-min", type=int, default=1)
-    s.add_argument("--ngram-max", type=int, default=4)
-    s.add_argument("--confidence-threshold", type=float, default=0.5)
-    s.add_argument("--spec-trace", default=None, metavar="FILE", help="write one JSON line per (step, request)")
-    s.add_argument("--log-stats-interval", type=float, default=0.0, help="seconds between metric log lines")
-
-
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    spec = SpeculationConfig(
-        method=args.spec,
-        num_speculative_tokens=args.num_spec_tokens,
-        k_policy=args.k_policy,
-        ngram_min_match=args.ngram_min,
-        ngram_max_match=args.ngram_max,
-        draft_model=args.draft_model,
-        draft_layers=args.draft_layers,
-        confidence_threshold=args.confidence_threshold,
-    )
-    return EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        seed=args.seed,
-        speculation=spec,
-        log_stats_interval_s=args.log_stats_interval,
-        spec_trace_path=args.spec_trace,
-        num_threads=args.threads,
-    )
-
-
-def build_llm(config: EngineConfig, stats_sinks: Sequence[StatsSink] = ()) -> LLM:
-    """Load config.model into an LLM with every EngineConfig field honoured."""
-    from specd.llm import LLM
-
-    kwargs = {f.name: getattr(config, f.name) for f in fields(config) if f.name not in ("model", "speculation")}
-    return LLM(config.model, speculation=config.speculation, stats_sinks=stats_sinks, **kwargs)
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -92,20 +30,17 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         spec_detail=args.stats_detail,
     )
     t0 = time.perf_counter()
-    llm = build_llm(config)
+    llm = LLM.from_config(config)
     load_s = time.perf_counter() - t0
     print(f"[specd] loaded {llm.source} in {load_s:.1f}s; speculation: {config.speculation.method}", file=sys.stderr)
-    if args.chat:
-        prompt_text = llm.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
-        ids = llm.tokenizer.encode(prompt_text, add_special_tokens=False)
-    else:
-        prompt_text, ids = args.prompt, None
+    chat = [{"role": "user", "content": args.prompt}]
+    prompt = llm.chat_prompt(chat) if args.chat else llm.prompt(args.prompt)
     t1 = time.perf_counter()
     token_ids: list[int] = []
     text: list[str] = []
     final = None
     last_report = t1
-    for delta in llm.stream(prompt_text if ids is None else None, params, ids):
+    for delta in llm.stream(prompt, params):
         token_ids.extend(delta.new_token_ids)
         text.append(delta.new_text)
         if not args.json:

@@ -26,6 +26,8 @@ from specd.sampling.params import SamplingParams
 from specd.speculation.proposer import Proposer
 from specd.speculation.registry import build_proposer
 
+__all__ = ["LLM", "EngineState", "Prompt"]
+
 logger = logging.getLogger("specd")
 
 
@@ -160,7 +162,7 @@ class LLM:
     def abort(self, request_id: str) -> bool:
         return self.engine.abort_request(request_id)
 
-    def stream(self, prompt: str | None, params: SamplingParams | None = None,
+    def stream(self, prompt: str | Prompt | None, params: SamplingParams | None = None,
                prompt_token_ids: list[int] | None = None) -> Iterator[RequestDelta]:
         """Generate one request, yielding its deltas as they are produced."""
         rid = self.add_request(prompt, params or SamplingParams(), prompt_token_ids)

@@ -9,6 +9,7 @@ import time
 import pytest
 
 from specd.errors import InvalidParameterError, QueueFullError
+from specd.llm import Prompt
 from specd.sampling.params import SamplingParams
 from specd.server.async_engine import AsyncEngine, EngineRequest, EngineStoppedError
 
@@ -16,7 +17,7 @@ LONG = SamplingParams(max_tokens=150, temperature=0.0, ignore_eos=True)
 
 
 def _request(llm, request_id: str, params: SamplingParams = LONG, prompt: str = "abc") -> EngineRequest:
-    return EngineRequest(request_id, prompt, llm.tokenizer.encode(prompt), params)
+    return EngineRequest(request_id, llm.prompt(prompt), params)
 
 
 def _wait_for(condition, timeout_s: float = 20.0) -> None:
@@ -61,7 +62,7 @@ def test_add_is_all_or_nothing_and_errors_propagate(engine_and_llm):
 
     async def main() -> None:
         # The second choice is invalid: neither is queued, and the error names the field.
-        bad = EngineRequest("b-1", None, [1, 10**6], LONG)
+        bad = EngineRequest("b-1", Prompt(None, [1, 10**6]), LONG)
         with pytest.raises(InvalidParameterError) as info:
             await engine.add_requests([_request(llm, "b-0"), bad])
         assert info.value.field == "prompt_token_ids"

@@ -34,7 +34,7 @@ def test_serve_from_args_wiring(monkeypatch, tiny_model, tokenizer):
     def fake_run(server):
         captured["uvicorn"] = server.config
 
-    monkeypatch.setattr(app_module, "build_llm", fake_build)
+    monkeypatch.setattr(LLM, "from_config", staticmethod(fake_build))
     monkeypatch.setattr(uvicorn.Server, "run", fake_run)
     assert app_module.serve_from_args(args) == 0
     config = captured["config"]

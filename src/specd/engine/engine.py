@@ -47,7 +47,7 @@ class StepResult:
 class _Drafts:
     token_ids: dict[int, list[int]]  # seq_id -> drafts
     probs: torch.Tensor | None  # [total_drafts, vocab_size] in proposal order, or None
-    buckets: dict[int, int]  # seq_id -> the proposer's confidence class of its draft (0 when it gives none)
+    buckets: dict[int, int]  # seq_id -> the proposer's own class of its draft (0 when it gives none)
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,24 +126,30 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise InvalidParameterError("prompt", "this engine has no tokenizer; pass prompt_token_ids")
             token_ids = self.tokenizer.encode(text)
-        vocab = self.runner.model.config.vocab_size
+        vocab, _ = self._prompt_limits
         if not token_ids:
             raise InvalidParameterError("prompt", "must not be empty")
         if any((not isinstance(t, int)) or isinstance(t, bool) or t < 0 or t >= vocab for t in token_ids):
             raise InvalidParameterError("prompt_token_ids", f"every token id must be an integer in [0, {vocab})")
         if len(token_ids) + 1 > self.config.max_model_len:
             raise PromptTooLongError(len(token_ids), self.config.max_model_len)
-        return Prompt(text, list(token_ids))
+        return Prompt(text, list(token_ids), self._prompt_limits)
+
+    @property
+    def _prompt_limits(self) -> tuple[int, int]:
+        return self.runner.model.config.vocab_size, self.config.max_model_len
 
     def add_request(self, request_id: str, prompt: Prompt, params: SamplingParams) -> None:
-        """Queue a request whose prompt came from `make_prompt`. Raises InvalidParameterError / QueueFullError
-        naming the problem; nothing is queued then."""
+        """Queue a request. A prompt from `make_prompt` is taken as is; any other is validated first. Raises
+        InvalidParameterError / PromptTooLongError / QueueFullError naming the problem; nothing is queued then."""
         if not isinstance(request_id, str) or not request_id:
             raise InvalidParameterError("request_id", "must be a non-empty string")
         if request_id in self._seqs:
             raise InvalidParameterError("request_id", f"{request_id!r} is already in use")
         if not isinstance(prompt, Prompt):
-            raise InvalidParameterError("prompt", "must be a Prompt from make_prompt")
+            raise InvalidParameterError("prompt", "must be a Prompt")
+        if prompt.checked_against != self._prompt_limits:
+            prompt = self.make_prompt(prompt.text, prompt.token_ids)
         if not isinstance(params, SamplingParams):
             raise InvalidParameterError("sampling_params", "must be a SamplingParams")
         if self.queue_room() == 0:

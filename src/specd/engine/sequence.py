@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import torch
 
@@ -14,11 +13,17 @@ from specd.sampling.params import SamplingParams
 from specd.speculation.k_policy import KPolicy
 
 
-class Prompt(NamedTuple):
-    """A validated prompt (LLMEngine.make_prompt): its text, when it came as text, and its token ids."""
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """A prompt's text (when it came as text) and token ids.
+
+    checked_against: the (vocab_size, max_model_len) LLMEngine.make_prompt validated it for, so that an engine
+    with those limits takes it without checking again; None (a Prompt made by hand) has it checked on entry.
+    """
 
     text: str | None
     token_ids: list[int]
+    checked_against: tuple[int, int] | None = None
 
 
 class SeqStatus(enum.Enum):

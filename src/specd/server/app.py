@@ -15,14 +15,14 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from specd.cli import build_llm, engine_config_from_args
+from specd.config_args import MAX_WAITING_FLAG, engine_config_from_args
 from specd.errors import InvalidParameterError
 from specd.llm import LLM
 from specd.metrics.prometheus_sink import PrometheusSink
@@ -160,14 +160,13 @@ def build_app(llm: LLM, settings: ServerSettings, registry: CollectorRegistry) -
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    """Server flags; the engine and speculation flags come from cli.add_engine_arguments."""
+    """Server flags; the engine and speculation flags come from config_args.add_engine_arguments."""
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
     g.add_argument("--port", type=int, default=8000)
     g.add_argument("--api-key", default=os.environ.get("SPECD_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $SPECD_API_KEY, else none)")
-    g.add_argument("--max-waiting", type=int, default=128,
-                   help="waiting-queue limit; beyond it requests get 503 + Retry-After (0 = unbounded)")
+    MAX_WAITING_FLAG.add_to(g, default=128)  # a server should bound its queue; the engine's default does not
     g.add_argument("--served-model-name", default=None, help="the `model` clients send (default: --model)")
     g.add_argument("--vllm-compat-metrics", action="store_true",
                    help="also export vllm:spec_decode_* metric names")
@@ -207,7 +206,7 @@ def serve_from_args(args: argparse.Namespace) -> int:
     """Load the model, then serve until interrupted. Returns the process exit code."""
     import uvicorn
 
-    config = replace(engine_config_from_args(args), max_waiting=args.max_waiting)
+    config = engine_config_from_args(args)
     settings = ServerSettings(args.served_model_name or args.model, args.api_key, float(args.shutdown_timeout))
     registry = CollectorRegistry()
     sink = PrometheusSink(
@@ -218,7 +217,7 @@ def serve_from_args(args: argparse.Namespace) -> int:
         vllm_compat=args.vllm_compat_metrics,
     )
     started = time.perf_counter()
-    llm = load_off_main_thread(lambda: build_llm(config, [sink]))
+    llm = load_off_main_thread(lambda: LLM.from_config(config, [sink]))
     logger.info("loaded %s in %.1fs; speculation: %s; serving as '%s' on http://%s:%d", llm.source,
                 time.perf_counter() - started, config.speculation.method, settings.model_name, args.host, args.port)
     if args.host not in ("127.0.0.1", "localhost", "::1") and settings.api_key is None:

@@ -16,11 +16,10 @@ import threading
 import weakref
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 from specd.engine.outputs import RequestDelta
 from specd.errors import QueueFullError, SpecdError
-from specd.llm import LLM
+from specd.llm import LLM, EngineState, Prompt
 from specd.sampling.params import SamplingParams
 from specd.server.metrics import RequestMetrics
 
@@ -33,21 +32,11 @@ class EngineStoppedError(SpecdError):
 
 @dataclass(frozen=True, slots=True)
 class EngineRequest:
-    """One engine request (one choice of an HTTP request)."""
+    """One engine request (one choice of an HTTP request); the prompt was validated by LLM.prompt/chat_prompt."""
 
     request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
+    prompt: Prompt
     params: SamplingParams
-
-
-class EngineState(NamedTuple):
-    """What the engine thread published after its latest step (read by /health, /v1/spec/stats)."""
-
-    num_running: int
-    num_waiting: int
-    kv_used_slots: int
-    kv_free_slots: int
 
 
 @dataclass(slots=True)
@@ -110,7 +99,8 @@ class AsyncEngine:
         self._stopping = False
         self._routes: dict[str, _Route] = {}  # engine thread only
         self._thread = threading.Thread(target=self._run, name="specd-engine", daemon=True)
-        self.state = EngineState(0, 0, llm.engine.cache.num_used_slots, llm.engine.cache.num_free_slots)
+        # What the engine thread published after its latest step (read by /health, /v1/spec/stats).
+        self.state: EngineState = llm.engine_state()
 
     # ------------------------------------------------------------------ any thread
     def start(self) -> None:
@@ -162,11 +152,11 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ engine thread
     def _run(self) -> None:
-        engine = self._llm.engine
+        llm = self._llm
         try:
             while True:
                 with self._cond:
-                    while not self._commands and not self._stopping and not engine.has_unfinished():
+                    while not self._commands and not self._stopping and not llm.has_unfinished():
                         self._cond.wait()
                     commands, self._commands = self._commands, []
                     stopping = self._stopping
@@ -178,10 +168,10 @@ class AsyncEngine:
                 if stopping:
                     for request_id in list(self._routes):
                         self._llm.abort(request_id)
-                if engine.has_unfinished():
+                if llm.has_unfinished():
                     self._step()
                 self._publish_state()
-                if stopping and not engine.has_unfinished():
+                if stopping and not llm.has_unfinished():
                     return
         except BaseException:
             logger.exception("the engine thread crashed")
@@ -199,8 +189,7 @@ class AsyncEngine:
         if stopping:
             command.future.set_exception(EngineStoppedError("the server is shutting down"))
             return
-        engine = self._llm.engine
-        room = engine.queue_room()
+        room = self._llm.queue_room()
         if room is not None and len(command.requests) > room:
             max_waiting = self._llm.config.max_waiting
             command.future.set_exception(QueueFullError(f"waiting queue is full ({max_waiting} requests)"))
@@ -208,12 +197,10 @@ class AsyncEngine:
         added: list[str] = []
         try:
             for request in command.requests:
-                self._llm.add_request(
-                    request.prompt, request.params, request.prompt_token_ids, request_id=request.request_id
-                )
+                self._llm.add_request(request.prompt, request.params, request_id=request.request_id)
                 added.append(request.request_id)
                 self._routes[request.request_id] = _Route(
-                    command.loop, command.queue_ref, len(request.prompt_token_ids)
+                    command.loop, command.queue_ref, len(request.prompt.token_ids)
                 )
         except Exception as exc:
             for request_id in added:  # all or nothing: roll back the choices already queued
@@ -272,10 +259,7 @@ class AsyncEngine:
                         self._llm.abort(delta.request_id)
 
     def _publish_state(self) -> None:
-        engine = self._llm.engine
-        state = EngineState(
-            engine.num_running, engine.num_waiting, engine.cache.num_used_slots, engine.cache.num_free_slots
-        )
+        state = self._llm.engine_state()
         self.state = state  # one reference assignment: readers on other threads see old or new, never half
         if self._metrics is not None:
             self._metrics.set_engine_state(state.num_running, state.num_waiting, state.kv_used_slots)

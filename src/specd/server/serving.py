@@ -18,8 +18,8 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from specd.errors import InvalidParameterError, PromptTooLongError
-from specd.llm import LLM
+from specd.errors import InvalidParameterError
+from specd.llm import LLM, Prompt
 from specd.sampling.params import SamplingParams, SpecOverride
 from specd.server.async_engine import AsyncEngine, DeltaStream, EngineRequest, EngineStoppedError
 from specd.server.errors import APIError, bad_request, from_engine_error, from_validation_error
@@ -33,11 +33,6 @@ from specd.server.render import ChatRenderer, ChoiceState, CompletionRenderer, R
 
 _DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to "what fits"
 _RequestT = TypeVar("_RequestT", bound=BaseModel)
-
-
-class PromptInput(NamedTuple):
-    text: str | None
-    token_ids: list[int]
 
 
 class _FieldNames(NamedTuple):
@@ -73,7 +68,7 @@ class OpenAIServing:
         request = parse_request(body, CompletionRequest)
         self._check_common(request)
         names = _FieldNames("prompt", "max_tokens", "logprobs")
-        prompts = self._completion_prompts(request.prompt)
+        prompts = self._completion_prompts(request.prompt, names)
         renderer = CompletionRenderer(f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name,
                                       request.logprobs, self._llm.tokenizer)
         return await self._generate(request, prompts, names, renderer, http_request)
@@ -93,10 +88,10 @@ class OpenAIServing:
         top_logprobs = (request.top_logprobs or 0) if request.logprobs else None
         renderer = ChatRenderer(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name, top_logprobs,
                                 self._llm.tokenizer)
-        return await self._generate(request, [self._chat_prompt(request)], names, renderer, http_request)
+        return await self._generate(request, [self._chat_prompt(request, names)], names, renderer, http_request)
 
     async def _generate(
-        self, request: SamplingRequest, prompts: list[PromptInput], names: _FieldNames, renderer: Renderer,
+        self, request: SamplingRequest, prompts: list[Prompt], names: _FieldNames, renderer: Renderer,
         http_request: Request,
     ) -> Response:
         engine_requests = self._engine_requests(renderer.response_id, request, prompts, renderer.top_logprobs,
@@ -119,7 +114,7 @@ class OpenAIServing:
 
     @property
     def _k_max(self) -> int:
-        return self._llm.engine.recorder.k_max
+        return self._llm.config.speculation.metrics_k_max
 
     # ------------------------------------------------------------------ request -> engine requests
     def _check_common(self, request: SamplingRequest) -> None:
@@ -132,43 +127,44 @@ class OpenAIServing:
             if request.stream_options.include_obfuscation:
                 raise bad_request("stream obfuscation is not supported", "stream_options.include_obfuscation")
 
-    def _completion_prompts(self, prompt: str | list[int] | list[str] | list[list[int]]) -> list[PromptInput]:
+    def _completion_prompts(
+        self, prompt: str | list[int] | list[str] | list[list[int]], names: _FieldNames
+    ) -> list[Prompt]:
         if isinstance(prompt, str):
-            return [self._text_prompt(prompt)]
+            return [self._prompt(prompt, None, names)]
         if not prompt:
             raise bad_request("prompt must not be empty", "prompt")
         if isinstance(prompt[0], int):  # the schema allows no mixed lists
-            return [PromptInput(None, list(cast(list[int], prompt)))]
-        return [self._text_prompt(p) if isinstance(p, str) else PromptInput(None, list(p))
+            return [self._prompt(None, cast(list[int], prompt), names)]
+        return [self._prompt(p, None, names) if isinstance(p, str) else self._prompt(None, p, names)
                 for p in cast(list[str | list[int]], prompt)]
 
-    def _text_prompt(self, text: str) -> PromptInput:
-        if self._llm.tokenizer is None:
+    def _prompt(self, text: str | None, token_ids: list[int] | None, names: _FieldNames) -> Prompt:
+        """Tokenized and validated once, here; the engine takes the Prompt as it is."""
+        if token_ids is None and self._llm.tokenizer is None:
             raise bad_request("this model has no tokenizer; send the prompt as token ids", "prompt")
-        return PromptInput(text, self._llm.tokenizer.encode(text))
+        try:
+            return self._llm.prompt(text, token_ids)
+        except InvalidParameterError as exc:
+            raise from_engine_error(exc, names.engine_to_request()) from None
 
-    def _chat_prompt(self, request: ChatCompletionRequest) -> PromptInput:
-        tokenizer = self._llm.tokenizer
-        if tokenizer is None:
+    def _chat_prompt(self, request: ChatCompletionRequest, names: _FieldNames) -> Prompt:
+        if self._llm.tokenizer is None:
             raise bad_request("this model has no tokenizer / chat template", "messages")
         messages = [{"role": m.role, "content": m.text()} for m in request.messages]
         try:
-            text = tokenizer.apply_chat_template(messages)
+            return self._llm.chat_prompt(messages)
         except InvalidParameterError as exc:
-            raise from_engine_error(exc) from None
-        # The template writes its own BOS (as LLM.chat does).
-        return PromptInput(text, tokenizer.encode(text, add_special_tokens=False))
+            raise from_engine_error(exc, names.engine_to_request()) from None
 
     def _engine_requests(
-        self, response_id: str, request: SamplingRequest, prompts: list[PromptInput], logprobs: int | None,
+        self, response_id: str, request: SamplingRequest, prompts: list[Prompt], logprobs: int | None,
         names: _FieldNames,
     ) -> list[EngineRequest]:
         rename = names.engine_to_request()
         out: list[EngineRequest] = []
         for prompt_index, prompt in enumerate(prompts):
-            room = self._max_model_len - len(prompt.token_ids)
-            if room < 1:
-                raise from_engine_error(PromptTooLongError(len(prompt.token_ids), self._max_model_len), rename)
+            room = self._max_model_len - len(prompt.token_ids)  # >= 1: the prompt was validated
             max_tokens = request.max_tokens
             if max_tokens is None:
                 chat = isinstance(request, ChatCompletionRequest)
@@ -184,7 +180,7 @@ class OpenAIServing:
                 for sample in range(request.n):
                     seeded = params if params.seed is None else replace(params, seed=params.seed + sample)
                     index = prompt_index * request.n + sample
-                    out.append(EngineRequest(f"{response_id}-{index}", prompt.text, prompt.token_ids, seeded))
+                    out.append(EngineRequest(f"{response_id}-{index}", prompt, seeded))
             except InvalidParameterError as exc:
                 raise from_engine_error(exc, rename) from None
         return out
