@@ -256,10 +256,8 @@ class LLM:
         request may choose goodput.
         """
         metrics = self.engine.recorder.snapshot().to_dict()
-        for name, policy in self.engine.k_policies.items():
-            estimates = policy.snapshot()
-            if estimates is not None:
-                metrics[f"{name}_policy"] = estimates
+        for name, estimates in self.engine.speculator.snapshots().items():
+            metrics[f"{name}_policy"] = estimates
         return metrics
 
     def _output(self, rid: str, acc: _Accumulator, final: RequestDelta) -> RequestOutput:

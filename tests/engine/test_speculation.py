@@ -232,7 +232,7 @@ def test_sampled_speculation_matches_target_distribution(tiny_vocab_models, meth
     )
     llm = LLM.from_model(target, None, cfg, proposer=proposer)
     if policy == "goodput":
-        planner = llm.engine.k_policies["goodput"].planner
+        planner = llm.engine.speculator.k_policies["goodput"].planner
         assert planner is not None  # free verification: the plan keeps the drafts it has
         monkeypatch.setattr(planner, "marginal_seconds", lambda base_tokens, max_extra: 0.0)
     # Token 1 comes from the prefill step; tokens 2 and 3 from a speculative step (k = 1: d_1 verified, then
@@ -330,7 +330,7 @@ def test_out_of_range_draft_ids_are_refused_naming_the_proposer(make_llm):
 def test_goodput_verifies_only_drafts_that_pay_and_stays_lossless(make_llm, monkeypatch, slope_s):
     plain = _plain(make_llm)
     llm = make_llm(_spec("ngram", 6, "goodput"), max_num_seqs=4)
-    planner = llm.engine.k_policies["goodput"].planner
+    planner = llm.engine.speculator.k_policies["goodput"].planner
     assert planner is not None
     # Free verification keeps every draft; a second per extra token (vs ms-scale steps) makes none pay.
     monkeypatch.setattr(planner, "marginal_seconds", lambda base_tokens, max_extra: slope_s)

@@ -2,10 +2,10 @@
 
 schedule -> propose -> plan k -> run (one target forward) -> verify -> commit / roll back KV -> record -> stream.
 
-Plain decoding is the same step with k_i = 0 for every sequence. The engine knows proposers and k policies only
-through their protocols (speculation/proposer.py, speculation/k_policy.py) and never branches on which one it
-has. Single-threaded: the server drives it from its own thread and hands requests in through `add_request` /
-`abort_request` between steps.
+Plain decoding is the same step with k_i = 0 for every sequence. Proposing and planning k are the speculator's
+(engine/speculator.py), which knows proposers and k policies only through their protocols and never branches on
+which one it has; the forward is the model runner's (engine/runner.py). Single-threaded: the server drives it
+from its own thread and hands requests in through `add_request` / `abort_request` between steps.
 """
 
 from __future__ import annotations
@@ -22,15 +22,15 @@ from specd.engine.outputs import FinishReason, RequestDelta, RequestTimings, Tok
 from specd.engine.runner import ModelRunner, RunOutput
 from specd.engine.scheduler import ScheduledSeq, Scheduler
 from specd.engine.sequence import Prompt, SeqStatus, Sequence
+from specd.engine.speculator import Drafts, Speculator
 from specd.errors import InvalidParameterError, PromptTooLongError, QueueFullError
 from specd.metrics.stats import SpecStatsRecorder, StatsSink, StepPhaseTimes
 from specd.model.llama import LlamaForCausalLM
 from specd.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from specd.sampling.params import SamplingParams
 from specd.sampling.rejection import RejectionResult, verify
-from specd.speculation.k_policy import DraftOutcome, DraftSpan, EngineLoad, KPolicy, StepReport, StepView
-from specd.speculation.proposer import Proposer, SequenceView
-from specd.speculation.registry import build_k_policies, k_policy_unsupported
+from specd.speculation.k_policy import DraftOutcome, EngineLoad, StepReport
+from specd.speculation.proposer import Proposer
 
 logger = logging.getLogger("specd.engine")
 
@@ -41,13 +41,6 @@ class StepResult:
 
     deltas: list[RequestDelta]
     num_scheduled: int
-
-
-@dataclass(frozen=True, slots=True)
-class _Drafts:
-    token_ids: dict[int, list[int]]  # seq_id -> drafts
-    probs: torch.Tensor | None  # [total_drafts, vocab_size] in proposal order, or None
-    buckets: dict[int, int]  # seq_id -> the proposer's own class of its draft (0 when it gives none)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,8 +68,8 @@ class _StepProgress:
 
 
 class LLMEngine:
-    """Continuous-batching engine with speculation. Owns the scheduler, the model runner, the proposer and the k
-    policies, and calls them in order each step."""
+    """Continuous-batching engine with speculation. Owns the scheduler, the model runner, the speculator (proposer
+    and k policies) and the stats recorder, and calls them in order each step."""
 
     def __init__(
         self,
@@ -88,24 +81,12 @@ class LLMEngine:
     ) -> None:
         self.config = config
         self.tokenizer = tokenizer
-        self.proposer = proposer
-        spec = config.speculation
-        self.k_max = spec.num_speculative_tokens if (spec.enabled and proposer is not None) else 0
-        # Every k policy the proposer supports, by name: the engine's own and the ones a request may choose.
-        self.k_policies: dict[str, KPolicy] = {}
-        if proposer is not None and self.k_max:
-            self.k_policies = build_k_policies(spec, proposer.traits)
-            if spec.k_policy not in self.k_policies:
-                raise InvalidParameterError(
-                    "speculation.k_policy",
-                    f"{spec.k_policy!r} does not work with {type(proposer).__name__}: "
-                    f"{k_policy_unsupported(spec.k_policy, proposer.traits)}",
-                )
+        self.speculator = Speculator(config.speculation, proposer, model.config.vocab_size)
         # The target's KV cache: the scheduler hands out its slots, the runner writes and commits it.
         self.cache = model.make_cache(config.max_num_seqs, config.max_model_len)
-        self.runner = ModelRunner(model, self.cache, proposer.hidden_layers if proposer is not None else None)
+        self.runner = ModelRunner(model, self.cache, self.speculator.hidden_layers)
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens)
-        self.recorder = SpecStatsRecorder(spec.metrics_k_max, sinks=stats_sinks)
+        self.recorder = SpecStatsRecorder(config.speculation.metrics_k_max, sinks=stats_sinks)
         self._seqs: dict[str, Sequence] = {}
         self._next_seq_id = 0
         self._pending: list[RequestDelta] = []
@@ -154,7 +135,7 @@ class LLMEngine:
             raise InvalidParameterError("sampling_params", "must be a SamplingParams")
         if self.queue_room() == 0:
             raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} requests)")
-        k_max, policy = self._request_speculation(params)
+        k_max, policy = self.speculator.request_policy(params)
         seed = params.seed if params.seed is not None else int(
             torch.randint(0, 2**62, (1,), generator=self._rng).item()
         )
@@ -184,34 +165,6 @@ class LLMEngine:
         if policy is not None:
             policy.add(seq.seq_id, k_max)
         self.scheduler.add(seq)
-
-    def _request_speculation(self, params: SamplingParams) -> tuple[int, KPolicy | None]:
-        """The request's k_max and k policy: the engine's, or what its SpecOverride asks within them."""
-        k_max = self.k_max
-        name = self.config.speculation.k_policy
-        override = params.speculation
-        if override is not None:
-            if not override.enabled:
-                return 0, None
-            asks_speculation = (override.num_speculative_tokens or 0) > 0 or override.k_policy is not None
-            if self.k_max == 0 and asks_speculation:
-                field_name = "speculation" if override.k_policy is None else "speculation.k_policy"
-                raise InvalidParameterError(field_name, "this engine was started without speculation")
-            if override.num_speculative_tokens is not None:
-                if override.num_speculative_tokens > self.k_max:
-                    raise InvalidParameterError(
-                        "speculation.num_speculative_tokens", f"must be <= the engine's k_max ({self.k_max})"
-                    )
-                k_max = override.num_speculative_tokens
-            name = override.k_policy or name
-        if k_max == 0:
-            return 0, None
-        policy = self.k_policies.get(name)
-        if policy is None:
-            traits = self.proposer.traits if self.proposer is not None else None
-            reason = k_policy_unsupported(name, traits) if traits is not None else "no proposer"
-            raise InvalidParameterError("speculation.k_policy", f"{name!r} does not work with this engine: {reason}")
-        return k_max, policy
 
     def abort_request(self, request_id: str) -> bool:
         """Abort a waiting or running request and free its KV slot now. Returns False if unknown."""
@@ -252,7 +205,8 @@ class LLMEngine:
         kept (and streamed), and the step's other requests finish with "error".
         """
         deltas, self._pending = self._pending, []
-        scheduled = self.scheduler.schedule(self._wanted_k()).scheduled
+        load = EngineLoad(self.num_running, self.num_waiting, self.config.max_num_batched_tokens)
+        scheduled = self.scheduler.schedule(self.speculator.wanted_k(self.scheduler.running, load)).scheduled
         if not scheduled:
             return StepResult(deltas, 0)
         progress = _StepProgress(time.perf_counter(), decode_only=not any(w.is_prefill for w in scheduled))
@@ -275,8 +229,8 @@ class LLMEngine:
         return StepResult(deltas, len(scheduled))
 
     def _run(self, scheduled: list[ScheduledSeq], progress: _StepProgress) -> None:
-        drafts = self._propose(scheduled)
-        drafts = self._plan_k(scheduled, drafts)
+        drafts = self.speculator.propose(scheduled)
+        drafts = self.speculator.plan(scheduled, drafts, self.config.max_num_batched_tokens)
         progress.proposed = time.perf_counter()
         run = self.runner.run(scheduled, drafts.token_ids)
         progress.num_new_tokens = run.num_new_tokens
@@ -284,85 +238,11 @@ class LLMEngine:
         result = self._verify(scheduled, run, drafts)
         progress.verified = time.perf_counter()
         self._commit(scheduled, run, drafts, result, progress)
-        self._hand_hidden_states(scheduled, run, progress)
+        emitted = {done.seq.seq_id: done.num_emitted for done in progress.committed}
+        self.speculator.observe_hidden_states(scheduled, run, emitted)
 
     # -------------------------------------------------------- step: the jobs
-    def _wanted_k(self) -> dict[int, int]:
-        """schedule's input: the k_i each running sequence's policy asks for (the scheduler may cut it)."""
-        load = EngineLoad(self.num_running, self.num_waiting, self.config.max_num_batched_tokens)
-        by_policy: dict[KPolicy, list[Sequence]] = {}
-        for seq in self.scheduler.running:
-            if seq.k_policy is not None:
-                by_policy.setdefault(seq.k_policy, []).append(seq)
-        wanted: dict[int, int] = {}
-        for policy, seqs in by_policy.items():
-            ks = policy.plan([seq.seq_id for seq in seqs], load)
-            for seq, k in zip(seqs, ks, strict=True):
-                if not 0 <= k <= seq.k_max:
-                    raise RuntimeError(f"k policy {type(policy).__name__} planned k = {k} for k_max = {seq.k_max}")
-                wanted[seq.seq_id] = k
-        return wanted
-
-    def _propose(self, scheduled: list[ScheduledSeq]) -> _Drafts:
-        """propose: up to k_i drafts for every decoding sequence that was given k_i > 0."""
-        decoding = [w for w in scheduled if not w.is_prefill and w.num_draft > 0]
-        if not decoding or self.proposer is None:
-            return _Drafts({}, None, {})
-        views = [
-            SequenceView(
-                w.seq.seq_id, w.seq.token_ids, w.seq.params, w.seq.generator,
-                w.seq.k_policy.draft_stop(w.seq.seq_id) if w.seq.k_policy is not None else None,
-            )
-            for w in decoding
-        ]
-        proposal = self.proposer.propose(views, [w.num_draft for w in decoding])
-        name = type(self.proposer).__name__
-        token_ids = {}
-        vocab = self.runner.model.config.vocab_size
-        for w, d in zip(decoding, proposal.draft_token_ids, strict=True):
-            if len(d) > w.num_draft:
-                raise RuntimeError(f"proposer {name} returned {len(d)} drafts for k_i = {w.num_draft}")
-            if any(isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab for t in d):
-                # Checked here, at the boundary: a -1 placeholder would otherwise index the vocabulary from the end.
-                raise RuntimeError(f"proposer {name} returned draft token ids outside [0, {vocab}): {d}")
-            token_ids[w.seq.seq_id] = list(d)
-        buckets = proposal.draft_buckets if proposal.draft_buckets is not None else [0] * len(decoding)
-        if len(buckets) != len(decoding):
-            raise RuntimeError(f"proposer {name} returned {len(buckets)} draft buckets for {len(decoding)} sequences")
-        return _Drafts(token_ids, proposal.draft_probs, {w.seq.seq_id: b for w, b in zip(decoding, buckets)})
-
-    def _plan_k(self, scheduled: list[ScheduledSeq], drafts: _Drafts) -> _Drafts:
-        """plan k: each policy keeps a prefix of its sequences' drafts, seeing the whole step."""
-        by_policy: dict[KPolicy, list[int]] = {}
-        for w in scheduled:
-            if not w.is_prefill and w.seq.k_policy is not None and drafts.token_ids.get(w.seq.seq_id):
-                by_policy.setdefault(w.seq.k_policy, []).append(w.seq.seq_id)
-        if not by_policy:
-            return drafts
-        token_ids = dict(drafts.token_ids)
-        for policy, seq_ids in by_policy.items():
-            num_new_tokens = sum(w.num_prefill if w.is_prefill else 1 + len(token_ids.get(w.seq.seq_id, []))
-                                 for w in scheduled)
-            step = StepView(len(scheduled), num_new_tokens, self.config.max_num_batched_tokens,
-                            decode_only=not any(w.is_prefill for w in scheduled))
-            spans = [DraftSpan(sid, len(token_ids[sid]), drafts.buckets.get(sid, 0)) for sid in seq_ids]
-            keep = policy.keep(spans, step)
-            for span, kept in zip(spans, keep, strict=True):
-                if not 0 <= kept <= span.num_tokens:
-                    raise RuntimeError(f"k policy {type(policy).__name__} kept {kept} of {span.num_tokens} drafts")
-                token_ids[span.seq_id] = token_ids[span.seq_id][:kept]
-        probs = drafts.probs
-        if probs is not None:  # keep the rows of the kept draft tokens (proposal order = dict order)
-            rows: list[int] = []
-            offset = 0
-            for sid, d in drafts.token_ids.items():
-                rows.extend(range(offset, offset + len(token_ids[sid])))
-                offset += len(d)
-            if len(rows) < offset:
-                probs = probs[torch.tensor(rows, dtype=torch.long)]  # [num_kept_drafts, vocab_size]
-        return _Drafts(token_ids, probs, drafts.buckets)
-
-    def _verify(self, scheduled: list[ScheduledSeq], run: RunOutput, drafts: _Drafts) -> RejectionResult:
+    def _verify(self, scheduled: list[ScheduledSeq], run: RunOutput, drafts: Drafts) -> RejectionResult:
         """verify: accept a prefix of each sampled sequence's draft and sample one more token (k_i = 0: plain
         sampling)."""
         seqs = [scheduled[index].seq for index in run.sampled]
@@ -370,7 +250,7 @@ class LLMEngine:
         return verify(run.logits, per_seq, drafts.probs, [s.params for s in seqs], [s.generator for s in seqs])
 
     def _commit(
-        self, scheduled: list[ScheduledSeq], run: RunOutput, drafts: _Drafts, result: RejectionResult,
+        self, scheduled: list[ScheduledSeq], run: RunOutput, drafts: Drafts, result: RejectionResult,
         progress: _StepProgress,
     ) -> None:
         """commit: keep what the stop rules allow and roll the KV cache back to exactly the kept tokens."""
@@ -405,27 +285,6 @@ class LLMEngine:
                 self.runner.commit(work.seq.slot or 0, work.seq.num_computed)
                 work.seq.num_steps += 1
 
-    def _hand_hidden_states(self, scheduled: list[ScheduledSeq], run: RunOutput, progress: _StepProgress) -> None:
-        """The target's features of the rows each still-running sequence kept, to a proposer that asked."""
-        if self.proposer is None or run.hidden_states is None:
-            return
-        emitted = {done.seq.seq_id: done.num_emitted for done in progress.committed}
-        seq_ids: list[int] = []
-        starts: list[int] = []
-        features: list[torch.Tensor] = []
-        for index, work in enumerate(scheduled):
-            seq = work.seq
-            if seq.finish_reason is not None:
-                continue  # finishing: the proposer releases it
-            # A prompt chunk keeps all its rows; a decode keeps the rows behind the tokens it emitted.
-            num_kept = work.num_prefill if work.is_prefill else emitted[seq.seq_id]
-            offset = run.token_offsets[index]
-            seq_ids.append(seq.seq_id)
-            starts.append(run.start_positions[index])
-            features.append(run.hidden_states[offset : offset + num_kept])  # [num_kept, num_features]
-        if seq_ids:
-            self.proposer.observe(seq_ids, starts, features)
-
     def _record(self, progress: _StepProgress) -> None:
         """record: the step's counts to the stats recorder and its outcome and cost to every k policy."""
         committed = progress.committed
@@ -439,8 +298,7 @@ class LLMEngine:
             num_emitted=sum(done.num_emitted for done in committed),
             decode_only=progress.decode_only,
         )
-        for policy in self.k_policies.values():
-            policy.observe(report)
+        self.speculator.observe(report)
         self.recorder.record_counts(
             [done.seq.request_id for done in committed],
             [done.outcome.num_drafted for done in committed],
@@ -461,10 +319,7 @@ class LLMEngine:
         seq.finish_reason = reason
         seq.finish_time = time.monotonic()
         self.scheduler.remove(seq)
-        if self.proposer is not None:
-            self.proposer.release(seq.seq_id)
-        for policy in self.k_policies.values():  # any policy may hold estimates about any sequence
-            policy.release(seq.seq_id)
+        self.speculator.release(seq.seq_id)
         del self._seqs[seq.request_id]
 
     def _delta(
