@@ -11,6 +11,7 @@ from specd.config import EngineConfig, SpeculationConfig
 from specd.llm import LLM
 from specd.model.attention import ForwardBatch
 from specd.sampling.params import SamplingParams, SpecOverride
+from specd.sampling.penalties import TokenHistory, adjust_logits
 from specd.speculation.draft import DraftModelProposer
 from specd.speculation.policies.goodput import PROBE_INTERVAL
 from specd.speculation.proposer import Proposal, Proposer
@@ -379,3 +380,89 @@ def test_float32_packed_model_speculation_matches_plain_up_to_near_ties(make_llm
         top = p.outputs[0].logprobs[first].top
         assert abs(top[0][1] - top[1][1]) < 1e-3, (first, top)
     assert matched >= len(PROMPTS) - 1
+
+
+# ------------------------------------------------------------------ penalties and logit_bias under speculation
+PENALISED = [
+    SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, presence_penalty=0.8),
+    SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, frequency_penalty=0.6),
+    SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, repetition_penalty=1.4),
+    SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logit_bias={5: 3.0, 17: -100.0}),
+    SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, presence_penalty=-0.5, frequency_penalty=0.2,
+                   repetition_penalty=0.9, logit_bias={42: 1.5}),
+]
+
+
+@pytest.mark.parametrize("method", ["ngram", "layerskip", "draft"])
+def test_greedy_with_penalties_equals_plain_decoding_with_penalties(make_llm, draft_model, method):
+    prompts = PROMPTS[: len(PENALISED)]
+    plain = make_llm().generate(prompts, PENALISED)
+    baseline = [o.outputs[0].token_ids for o in make_llm().generate(prompts, GREEDY)]
+    # The penalties really change the output, or this test would prove nothing.
+    assert sum(o.outputs[0].token_ids != b for o, b in zip(plain, baseline)) >= 3
+    proposer = DraftModelProposer(draft_model, 8, 256) if method == "draft" else None
+    spec = _spec("layerskip" if method == "draft" else method, 4, "fixed", draft_layers=1)
+    llm = make_llm(spec, proposer=proposer, max_num_seqs=4)
+    outs = llm.generate(prompts, PENALISED)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]
+    assert llm.get_metrics()["counters"]["accepted_tokens"] > 0
+
+
+def test_logit_bias_of_minus_100_bans_a_token_under_speculation(make_llm):
+    plain = make_llm().generate(PROMPTS, GREEDY)
+    banned = plain[0].outputs[0].token_ids[3]
+    llm = make_llm(_spec("ngram", 4, "fixed"), max_num_seqs=4)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, logit_bias={banned: -100.0})
+    outs = llm.generate(PROMPTS, params)
+    assert all(banned not in o.outputs[0].token_ids for o in outs)
+
+
+def test_logit_bias_token_outside_the_vocabulary_is_refused(make_llm):
+    with pytest.raises(Exception, match="logit_bias"):
+        make_llm().generate(["hi"], SamplingParams(max_tokens=2, logit_bias={10_000: 1.0}))
+
+
+@pytest.mark.parametrize("method", ["draft", "ngram"])
+def test_sampled_speculation_with_penalties_matches_penalised_target(tiny_vocab_models, method):
+    """Chi-square like the test above, with presence/frequency/repetition penalties and a bias: the joint of
+    tokens 2 and 3 must equal plain penalised sampling, computed exactly."""
+    target, draft = tiny_vocab_models
+    prompt = [1, 5, 3, 6]
+    temperature = 0.9
+    base = dict(max_tokens=3, temperature=temperature, ignore_eos=True, presence_penalty=0.9, frequency_penalty=0.5,
+                repetition_penalty=1.3, logit_bias={2: 1.0})
+
+    def probs(tokens):
+        c = target.make_cache(1, 64)
+        s = c.allocate()
+        c.reserve(len(tokens))
+        logits = target(ForwardBatch.build([tokens], [s], [0], [[len(tokens) - 1]]), c)
+        adjusted = adjust_logits(logits, [SamplingParams(**base)], [1],
+                                 [TokenHistory(prompt, tokens[len(prompt):])], [[]])
+        return torch.softmax(adjusted[0].double() / temperature, -1).numpy()
+
+    p1 = probs(prompt)
+    joint = np.zeros((VOCAB, VOCAB))
+    for t1 in range(VOCAB):
+        p2 = probs([*prompt, t1])
+        for t2 in range(VOCAB):
+            joint[t2] += p1[t1] * p2[t2] * probs([*prompt, t1, t2])
+    expected = joint.reshape(-1)
+    proposer = DraftModelProposer(draft, 64, 64) if method == "draft" else None
+    cfg = EngineConfig(speculation=SpeculationConfig(method="ngram" if method == "ngram" else "layerskip",
+                                                     num_speculative_tokens=3, draft_layers=1),
+                       max_num_seqs=64, max_model_len=64)
+    llm = LLM.from_model(target, None, cfg, proposer=proposer)
+    n = 4000
+    outs = llm.generate(prompt_token_ids=[prompt] * n,
+                        sampling_params=[SamplingParams(seed=i, **base) for i in range(n)])
+    counts = np.zeros(VOCAB * VOCAB)
+    for o in outs:
+        _, t2, t3 = o.outputs[0].token_ids
+        counts[t2 * VOCAB + t3] += 1
+    m = llm.get_metrics()["counters"]
+    assert 0 < m["accepted_tokens"] < m["draft_tokens"]
+    exp = expected * n
+    keep = exp >= 5
+    _, pvalue = chisquare(np.append(counts[keep], counts[~keep].sum()), np.append(exp[keep], exp[~keep].sum()))
+    assert pvalue > 0.001, f"penalised speculative samples differ from penalised sampling (p={pvalue:.2e})"

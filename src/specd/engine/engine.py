@@ -28,6 +28,7 @@ from specd.metrics.stats import SpecStatsRecorder, StatsSink, StepPhaseTimes
 from specd.model.llama import LlamaForCausalLM
 from specd.model.tokenizer import IncrementalDetokenizer, Tokenizer
 from specd.sampling.params import SamplingParams
+from specd.sampling.penalties import TokenHistory, adjust_logits
 from specd.sampling.rejection import RejectionResult, verify
 from specd.speculation.k_policy import DraftOutcome, EngineLoad, StepReport
 from specd.speculation.proposer import Proposer
@@ -133,6 +134,9 @@ class LLMEngine:
             prompt = self.make_prompt(prompt.text, prompt.token_ids)
         if not isinstance(params, SamplingParams):
             raise InvalidParameterError("sampling_params", "must be a SamplingParams")
+        vocab, _ = self._prompt_limits
+        if params.logit_bias and any(token >= vocab for token in params.logit_bias):
+            raise InvalidParameterError("logit_bias", f"every token id must be in [0, {vocab})")
         if self.queue_room() == 0:
             raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} requests)")
         k_max, policy = self.speculator.request_policy(params)
@@ -247,7 +251,13 @@ class LLMEngine:
         sampling)."""
         seqs = [scheduled[index].seq for index in run.sampled]
         per_seq = [drafts.token_ids.get(seq.seq_id, []) for seq in seqs]  # prompt chunks have none
-        return verify(run.logits, per_seq, drafts.probs, [s.params for s in seqs], [s.generator for s in seqs])
+        params = [s.params for s in seqs]
+        # Penalties and logit_bias: row j of a sequence counts its drafts d_1..d_j as already generated.
+        scored = adjust_logits(
+            run.logits, params, run.rows_per_sampled,
+            [TokenHistory(s.prompt_token_ids, s.output_token_ids) for s in seqs], per_seq,
+        )  # [num_logit_rows, vocab_size]; run.logits stays raw for logprobs
+        return verify(scored, per_seq, drafts.probs, params, [s.generator for s in seqs])
 
     def _commit(
         self, scheduled: list[ScheduledSeq], run: RunOutput, drafts: Drafts, result: RejectionResult,

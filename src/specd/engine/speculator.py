@@ -125,6 +125,7 @@ class Speculator:
             SequenceView(
                 w.seq.seq_id, w.seq.token_ids, w.seq.params, w.seq.generator,
                 w.seq.k_policy.draft_stop(w.seq.seq_id) if w.seq.k_policy is not None else None,
+                len(w.seq.prompt_token_ids),
             )
             for w in decoding
         ]

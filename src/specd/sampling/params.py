@@ -5,7 +5,7 @@ Every field is honoured by the engine; nothing here is accepted and ignored.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from specd.errors import InvalidParameterError
@@ -75,6 +75,10 @@ class SamplingParams:
     those filters. `seed` gives the request its own torch.Generator, so its output does not depend on what
     else is in the batch. `logprobs=None` returns none, 0 returns the chosen token's logprob, n > 0 also the
     top-n alternatives (log-softmax of the raw target logits).
+
+    presence_penalty / frequency_penalty (OpenAI, [-2, 2], 0 = off), repetition_penalty (vLLM, (0, 2], 1 = off) and
+    logit_bias ({token id: bias in [-100, 100]}) change the distribution before temperature and the filters,
+    identically with and without speculation (specd.sampling.penalties).
     """
 
     max_tokens: int = 16
@@ -91,6 +95,10 @@ class SamplingParams:
     speculation: SpecOverride | None = None
     spec_detail: bool = False
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: Mapping[int, float] | None = None
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, 1)
@@ -110,6 +118,15 @@ class SamplingParams:
             _check_int("logprobs", self.logprobs, 0, _MAX_LOGPROBS)
         if self.speculation is not None and not isinstance(self.speculation, SpecOverride):
             raise InvalidParameterError("speculation", "must be a SpecOverride")
+        _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        _check_float("repetition_penalty", self.repetition_penalty, 0.0, 2.0, lo_open=True)
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, Mapping):
+                raise InvalidParameterError("logit_bias", "must be a mapping of token id to bias")
+            for token, bias in self.logit_bias.items():
+                _check_int("logit_bias", token, 0)
+                _check_float(f"logit_bias[{token}]", bias, -100.0, 100.0)
 
     @property
     def greedy(self) -> bool:

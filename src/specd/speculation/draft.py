@@ -21,6 +21,7 @@ from specd.model.attention import ForwardBatch
 from specd.model.llama import LlamaForCausalLM, build_model
 from specd.model.loader import load_checkpoint
 from specd.model.tokenizer import Tokenizer
+from specd.sampling.penalties import TokenHistory, adjust_logits
 from specd.sampling.processing import build_sampling_batch, logits_to_probs, sample_from_probs
 from specd.speculation.proposer import Proposal, Proposer, ProposerTraits, SequenceView
 
@@ -116,6 +117,14 @@ class DraftModelProposer(Proposer):
                 logits = logits[keep_rows]  # [num_kept, vocab_size]
                 if not active:
                     break
+            # The request's penalties and logit_bias shape q as they shape p (counting the drafts so far), so the
+            # draft proposes from the distribution the target will verify against.
+            logits = adjust_logits(
+                logits, [seqs[i].params for i in active], [1] * len(active),
+                [TokenHistory(seqs[i].token_ids[: seqs[i].num_prompt_tokens],
+                              [*seqs[i].token_ids[seqs[i].num_prompt_tokens :], *drafts[i]]) for i in active],
+                [[] for _ in active],
+            )
             sampling = build_sampling_batch([seqs[i].params for i in active], [1] * len(active), logits.device)
             q = logits_to_probs(logits, sampling)  # [num_active, vocab_size]
             tokens = sample_from_probs(q, [seqs[i].generator for i in active]).tolist()

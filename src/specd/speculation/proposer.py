@@ -55,6 +55,7 @@ class SequenceView:
     params: SamplingParams
     generator: torch.Generator | None
     draft_stop: DraftStop | None = None
+    num_prompt_tokens: int = 0  # token_ids[:num_prompt_tokens] is the prompt (penalties treat it apart)
 
 
 class Proposal(NamedTuple):
