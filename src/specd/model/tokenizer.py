@@ -185,6 +185,10 @@ class Tokenizer:
             raise ModelLoadError(f"{gguf_path}: could not convert the GGUF tokenizer: {exc}") from exc
         return Tokenizer._from_transformers(hf_tokenizer, str(gguf_path))
 
+    def backend_json(self) -> str:
+        """The serialised tokenizer (tokenizers' JSON), for libraries that build their own view of it (grammars)."""
+        return self._backend.to_str()
+
     @staticmethod
     def _from_transformers(hf_tokenizer: Any, source: str) -> Tokenizer:
         backend = getattr(hf_tokenizer, "backend_tokenizer", None)
