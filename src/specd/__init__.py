@@ -2,6 +2,6 @@
 
 from specd.config import EngineConfig, SpeculationConfig
 from specd.llm import LLM
-from specd.sampling.params import SamplingParams, SpecOverride
+from specd.sampling.params import SamplingParams, SpecOverride, StructuredOutput
 
-__all__ = ["LLM", "EngineConfig", "SamplingParams", "SpecOverride", "SpeculationConfig"]
+__all__ = ["LLM", "EngineConfig", "SamplingParams", "SpecOverride", "SpeculationConfig", "StructuredOutput"]

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specd.config import EngineConfig
+from specd.engine.constraints import Constraints
 from specd.engine.outputs import FinishReason, RequestDelta, RequestTimings, TokenLogprob
 from specd.engine.runner import ModelRunner, RunOutput
 from specd.engine.scheduler import ScheduledSeq, Scheduler
@@ -86,6 +87,7 @@ class LLMEngine:
         # The target's KV cache: the scheduler hands out its slots, the runner writes and commits it.
         self.cache = model.make_cache(config.max_num_seqs, config.max_model_len)
         self.runner = ModelRunner(model, self.cache, self.speculator.hidden_layers)
+        self.constraints = Constraints(tokenizer, model.config.vocab_size)
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens)
         self.recorder = SpecStatsRecorder(config.speculation.metrics_k_max, sinks=stats_sinks)
         self._seqs: dict[str, Sequence] = {}
@@ -139,6 +141,7 @@ class LLMEngine:
             raise InvalidParameterError("logit_bias", f"every token id must be in [0, {vocab})")
         if self.queue_room() == 0:
             raise QueueFullError(f"waiting queue is full ({self.config.max_waiting} requests)")
+        grammar = self.constraints.compile(params)
         k_max, policy = self.speculator.request_policy(params)
         seed = params.seed if params.seed is not None else int(
             torch.randint(0, 2**62, (1,), generator=self._rng).item()
@@ -163,6 +166,7 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             max_model_len=self.config.max_model_len,
             logprobs=[] if params.logprobs is not None else None,
+            grammar=grammar,
         )
         self._next_seq_id += 1
         self._seqs[request_id] = seq
@@ -235,6 +239,7 @@ class LLMEngine:
     def _run(self, scheduled: list[ScheduledSeq], progress: _StepProgress) -> None:
         drafts = self.speculator.propose(scheduled)
         drafts = self.speculator.plan(scheduled, drafts, self.config.max_num_batched_tokens)
+        drafts = self.constraints.cut_drafts({w.seq.seq_id: w.seq for w in scheduled}, drafts)
         progress.proposed = time.perf_counter()
         run = self.runner.run(scheduled, drafts.token_ids)
         progress.num_new_tokens = run.num_new_tokens
@@ -257,6 +262,7 @@ class LLMEngine:
             run.logits, params, run.rows_per_sampled,
             [TokenHistory(s.prompt_token_ids, s.output_token_ids) for s in seqs], per_seq,
         )  # [num_logit_rows, vocab_size]; run.logits stays raw for logprobs
+        scored = self.constraints.mask(scored, seqs, per_seq, run.rows_per_sampled)  # structured outputs
         return verify(scored, per_seq, drafts.probs, params, [s.generator for s in seqs])
 
     def _commit(
@@ -274,6 +280,7 @@ class LLMEngine:
             if work.is_prefill:
                 seq.num_computed += work.num_prefill
             emitted = seq.append_tokens(out_tokens, logprobs)
+            self.constraints.advance(seq, seq.output_token_ids[len(seq.output_token_ids) - emitted :])
             # The cache keeps every token but the newest: last + accepted drafts that were kept.
             seq.num_computed = seq.num_tokens - 1
             self.runner.commit(seq.slot or 0, seq.num_computed)

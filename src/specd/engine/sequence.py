@@ -9,6 +9,7 @@ import torch
 
 from specd.engine.outputs import FinishReason, TokenLogprob
 from specd.model.tokenizer import IncrementalDetokenizer
+from specd.sampling.grammar import Grammar
 from specd.sampling.params import SamplingParams
 from specd.speculation.k_policy import KPolicy
 
@@ -64,6 +65,7 @@ class Sequence:
     finish_time: float | None = None
     num_steps: int = 0
     stop_string_hit: bool = False
+    grammar: Grammar | None = None  # the request's structured-output state (specd.sampling.grammar)
 
     @property
     def token_ids(self) -> list[int]:

@@ -56,6 +56,7 @@ class GrammarCompiler:
         if not eos_token_ids:
             raise ValueError("eos_token_ids: a grammar needs an end-of-sequence token to finish on")
         self.vocab_size = vocab_size
+        self._eos_token_ids = tuple(eos_token_ids)
         self._tokenizer = llguidance.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(eos_token_ids))
 
     def json_schema(
@@ -90,15 +91,16 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise InvalidParameterError(field, f"grammar error: {matcher.get_error()}")
-        return Grammar(matcher, self.vocab_size)
+        return Grammar(matcher, self.vocab_size, self._eos_token_ids)
 
 
 class Grammar:
     """One request's grammar state: the committed output so far. Not thread-safe (the engine thread owns it)."""
 
-    def __init__(self, matcher: Any, vocab_size: int) -> None:
+    def __init__(self, matcher: Any, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
         self._matcher = matcher
         self.vocab_size = vocab_size
+        self.eos_token_ids = frozenset(eos_token_ids)
 
     @property
     def finished(self) -> bool:
@@ -128,9 +130,15 @@ class Grammar:
         return torch.stack(masks)
 
     def advance(self, tokens: Sequence[int]) -> None:
-        """Commit emitted tokens. Raises ValueError if the grammar refuses one (a bug upstream: masks forbid it)."""
-        if tokens and not self._matcher.consume_tokens([int(t) for t in tokens]):
-            raise ValueError(f"the grammar refused committed tokens {list(tokens)}: {self._matcher.get_error()}")
+        """Commit emitted tokens. Raises ValueError if the grammar refuses one (a bug upstream: masks forbid it).
+
+        End-of-sequence after a complete output is accepted as is: a stopped matcher has nothing left to consume.
+        """
+        tokens = [int(t) for t in tokens]
+        while tokens and self.finished and tokens[0] in self.eos_token_ids:
+            tokens = tokens[1:]
+        if tokens and not self._matcher.consume_tokens(tokens):
+            raise ValueError(f"the grammar refused committed tokens {tokens}: {self._matcher.get_error()}")
 
     def forced_tokens(self) -> list[int]:
         """Tokens the grammar allows alone from the committed state, in order (may be empty)."""

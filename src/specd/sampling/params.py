@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from specd.errors import InvalidParameterError
 from specd.speculation.k_policy import MAX_NUM_SPECULATIVE_TOKENS
@@ -50,6 +51,33 @@ class SpecOverride:
             )
 
 
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """A constraint on the output (grammar-constrained decoding, specd.sampling.grammar).
+
+    kind "json_schema" (value: the schema, a dict), "json_object" (value: None; any JSON object), "regex" (value:
+    a pattern), "choice" (value: a list of strings) or "grammar" (value: a Lark grammar). `field` names the API
+    field that asked for it, so errors about the value point at what the client sent.
+    """
+
+    kind: str
+    value: Any = None
+    field: str = "structured_output"
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise InvalidParameterError(self.field, f"kind must be one of {', '.join(STRUCTURED_KINDS)}")
+        expected: type | tuple[type, ...] = {
+            "json_schema": (dict, bool), "json_object": type(None), "regex": str, "choice": (list, tuple),
+            "grammar": str,
+        }[self.kind]
+        if not isinstance(self.value, expected):
+            raise InvalidParameterError(self.field, f"a {self.kind} constraint needs a value of type {expected}")
+
+
 def _check_int(name: str, value: object, lo: int, hi: int | None = None) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidParameterError(name, f"must be an integer, got {type(value).__name__}")
@@ -78,7 +106,8 @@ class SamplingParams:
 
     presence_penalty / frequency_penalty (OpenAI, [-2, 2], 0 = off), repetition_penalty (vLLM, (0, 2], 1 = off) and
     logit_bias ({token id: bias in [-100, 100]}) change the distribution before temperature and the filters,
-    identically with and without speculation (specd.sampling.penalties).
+    identically with and without speculation (specd.sampling.penalties). `structured` constrains the output to a
+    JSON schema, a regex, a choice or a grammar; every verified row is masked, so speculation stays exact.
     """
 
     max_tokens: int = 16
@@ -99,6 +128,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: Mapping[int, float] | None = None
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         _check_int("max_tokens", self.max_tokens, 1)
@@ -121,6 +151,12 @@ class SamplingParams:
         _check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
         _check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         _check_float("repetition_penalty", self.repetition_penalty, 0.0, 2.0, lo_open=True)
+        if self.structured is not None:
+            if not isinstance(self.structured, StructuredOutput):
+                raise InvalidParameterError("structured", "must be a StructuredOutput")
+            if self.ignore_eos:
+                raise InvalidParameterError("ignore_eos", "cannot be combined with a structured output, which ends on "
+                                            "end-of-sequence once the constraint is complete")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, Mapping):
                 raise InvalidParameterError("logit_bias", "must be a mapping of token id to bias")
