@@ -5,13 +5,16 @@ log line, and seeded generators."""
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
+from specd.config import EngineConfig
+from specd.engine.outputs import RequestDelta
 from specd.errors import InvalidParameterError
 from specd.metrics.log_sink import NOT_AVAILABLE, PREFIX
 from specd.model.config import ModelArchConfig
@@ -29,6 +32,10 @@ _LOG_INT_KEYS = frozenset({
     "steps", "spec_steps", "drafts", "draft_tokens", "accepted", "emitted", "nonspec_seq_steps", "nonspec_tokens",
     "drafted_at", "reached_at", "accepted_at", "accepted_len_hist", "finished_requests",
 })
+
+if TYPE_CHECKING:
+    from specd.llm import LLM
+    from specd.metrics.stats import StatsSink
 
 
 def tiny_hf_config_dict(model_type: str = "llama", vocab_size: int = 320, **overrides: Any) -> dict[str, Any]:
@@ -189,3 +196,23 @@ def generators_per_row(
     if len(generators) != len(rows_per_seq):
         raise ValueError(f"got {len(generators)} generators for {len(rows_per_seq)} sequences")
     return [generator for generator, num_rows in zip(generators, rows_per_seq) for _ in range(num_rows)]
+
+
+def tiny_llm(config: EngineConfig, stats_sinks: Sequence[StatsSink] = (), step_delay_s: float = 0.0) -> LLM:
+    """An LLM over the float64 tiny model (seed 0) and the byte test tokenizer: the same weights in every process,
+    so replicas built from it (specd.cluster's llm_factory) generate what an in-process one does.
+    `config.model` is not read. `step_delay_s` sleeps before every engine step, so a request is still running
+    when a test acts on it."""
+    from specd.llm import LLM
+
+    llm = LLM.from_model(tiny_specd_model(tiny_hf_config_dict(), seed=0, dtype=torch.float64),
+                         byte_tokenizer(320), config, stats_sinks=stats_sinks)
+    if step_delay_s > 0:
+        step = llm.step
+
+        def slow_step() -> list[RequestDelta]:
+            time.sleep(step_delay_s)
+            return step()
+
+        llm.step = slow_step  # type: ignore[method-assign]
+    return llm

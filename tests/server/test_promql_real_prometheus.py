@@ -40,6 +40,7 @@ MODEL = "tiny"
 K_MAX = 4
 WINDOW = "[10m]"
 SELECTOR = '{model=~".*",proposer=~".*"}'
+REPLICA_SELECTOR = '{model=~".*",proposer=~".*",replica=~".*"}'
 PHASES = ("propose", "verify", "sample")
 
 
@@ -88,6 +89,8 @@ def _panel_queries() -> list[tuple[str, str, str]]:
 
 
 def _concrete(expr: str) -> str:
+    # The dashboard's replica variable at "All" (.*) also matches this single-process server's unlabelled series.
+    expr = expr.replace('{model=~"$model",proposer=~"$proposer",replica=~"$replica"}', REPLICA_SELECTOR)
     expr = expr.replace(" S ", SELECTOR).replace('{model=~"$model",proposer=~"$proposer"}', SELECTOR)
     return expr.replace("[$__rate_interval]", WINDOW).replace("[5m]", WINDOW)
 
