@@ -106,3 +106,17 @@ def test_serve_run_builder_parses_keys_like_flags():
         build({"spec": "magic"})
     with pytest.raises(InvalidParameterError, match="vllm_compat_metrics: must be true or false"):
         build({"vllm_compat_metrics": "yes please"})
+
+
+def test_a_ray_that_does_not_start_is_an_error_naming_the_flag():
+    from types import SimpleNamespace
+
+    from specd.cluster.launch import _start_ray
+
+    def refuse(**kwargs):
+        raise ConnectionError("no GCS at 10.0.0.1:6379")
+
+    with pytest.raises(SpecdError, match=r"--ray-address: Ray did not start: ConnectionError: no GCS"):
+        _start_ray(SimpleNamespace(init=refuse), address="10.0.0.1:6379")
+    with pytest.raises(SpecdError, match=r"--replicas: Ray did not start"):
+        _start_ray(SimpleNamespace(init=refuse), num_cpus=2)
