@@ -90,6 +90,12 @@ def _cmd_stats(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    from specd.cluster.options import wants_cluster
+
+    if wants_cluster(args):  # N engines as Ray Serve replicas (docs/cluster.md)
+        from specd.cluster.launch import serve_cluster_from_args
+
+        return serve_cluster_from_args(args)
     from specd.server.app import serve_from_args
 
     return serve_from_args(args)

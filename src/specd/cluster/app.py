@@ -13,10 +13,10 @@ import argparse
 
 from ray.serve.deployment import Application
 
-from specd.cli import add_engine_arguments
 from specd.cluster.deployment import build_application
 from specd.cluster.options import cluster_settings_from_args
 from specd.cluster.replica_spec import replica_spec_from_args
+from specd.config_args import add_engine_arguments
 from specd.errors import InvalidParameterError
 from specd.server.app import add_serve_arguments
 

@@ -101,14 +101,13 @@ class SpecdReplica:
 
     def _report(self, final: bool = False) -> ReplicaReport:
         engine = self._llm.engine
-        goodput: dict[str, Any] | None = engine.goodput.snapshot() if engine.goodput is not None else None
         return ReplicaReport(
             replica=self.replica,
             node=self._node,
             snapshot=engine.recorder.snapshot(),
             engine=self._app.state.engine.state,
             families=labelled_families(self._registry, self.replica),
-            goodput_policy=goodput,
+            policy_estimates={f"{name}_policy": estimates for name, estimates in engine.speculator.snapshots().items()},
             final=final,
         )
 

@@ -8,7 +8,7 @@ whichever replica answers /metrics or /v1/spec/stats reads the board back.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
 from prometheus_client import CollectorRegistry
@@ -25,6 +25,7 @@ class ReplicaReport:
     """One replica's cumulative figures at one moment.
 
     families: its Prometheus metric families, every sample labelled replica=<replica>.
+    policy_estimates: its k policies' own estimates, as LLM.get_metrics() names them ("goodput_policy", ...).
     final: the replica is shutting down (it leaves /metrics at once; its counters stay in the pooled totals).
     """
 
@@ -33,7 +34,7 @@ class ReplicaReport:
     snapshot: SpecMetricsSnapshot
     engine: EngineState
     families: tuple[Metric, ...]
-    goodput_policy: dict[str, Any] | None = None
+    policy_estimates: dict[str, Any] = field(default_factory=dict)
     final: bool = False
 
 
@@ -108,7 +109,7 @@ def pooled_snapshot(entries: Sequence[BoardEntry], k_max: int) -> SpecMetricsSna
 
 def pooled_spec_stats(local_body: dict[str, Any], entries: Sequence[BoardEntry], k_max: int) -> dict[str, Any]:
     """/v1/spec/stats of the endpoint from the answering replica's own body: `metrics` becomes the pooled
-    snapshot (the goodput estimates are per engine, so they move to `replicas`), `engine` the sum over live
+    snapshot (k policies' estimates are per engine, so they move to `replicas`), `engine` the sum over live
     replicas, and `replicas` lists each one."""
     body = dict(local_body)
     body["metrics"] = pooled_snapshot(entries, k_max).to_dict()
@@ -131,6 +132,5 @@ def _replica_row(entry: BoardEntry) -> dict[str, Any]:
         "counters": {"drafts": counters.drafts, "draft_tokens": counters.draft_tokens,
                      "accepted_tokens": counters.accepted_tokens, "emitted_tokens": counters.emitted_tokens},
     }
-    if report.goodput_policy is not None:
-        row["goodput_policy"] = report.goodput_policy
+    row.update(report.policy_estimates)
     return row

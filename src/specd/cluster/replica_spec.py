@@ -11,14 +11,19 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from specd.cli import build_llm, engine_config_from_args
 from specd.config import EngineConfig
+from specd.config_args import engine_config_from_args
 from specd.errors import InvalidParameterError
 from specd.llm import LLM
 from specd.metrics.stats import StatsSink
 from specd.server.app import ServerSettings
 
 LLMFactory = Callable[[EngineConfig, Sequence[StatsSink]], LLM]
+
+
+def load_llm(config: EngineConfig, stats_sinks: Sequence[StatsSink]) -> LLM:
+    """The default LLMFactory: what `specd serve` loads."""
+    return LLM.from_config(config, stats_sinks)
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,7 +36,7 @@ class ReplicaSpec:
     config: EngineConfig
     settings: ServerSettings
     vllm_compat_metrics: bool = False
-    llm_factory: LLMFactory = build_llm
+    llm_factory: LLMFactory = load_llm
     metrics_push_interval_s: float = 1.0
     metrics_stale_after_s: float = 30.0
 
@@ -63,6 +68,6 @@ class ReplicaSpec:
 
 def replica_spec_from_args(args: argparse.Namespace) -> ReplicaSpec:
     """The same mapping of flags as the single-process `specd serve` (server/app.py serve_from_args)."""
-    config = replace(engine_config_from_args(args), max_waiting=args.max_waiting)
+    config = engine_config_from_args(args)
     settings = ServerSettings(args.served_model_name or args.model, args.api_key, float(args.shutdown_timeout))
     return ReplicaSpec(config, settings, vllm_compat_metrics=args.vllm_compat_metrics)

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from specd.cluster.options import add_cluster_arguments, wants_cluster
+from specd.cluster.options import add_cluster_arguments
 from specd.config_args import MAX_WAITING_FLAG, engine_config_from_args
 from specd.errors import InvalidParameterError
 from specd.llm import LLM
@@ -206,10 +206,6 @@ def load_off_main_thread(load: Callable[[], LLM]) -> LLM:
 
 def serve_from_args(args: argparse.Namespace) -> int:
     """Load the model, then serve until interrupted. Returns the process exit code."""
-    if wants_cluster(args):  # N engines as Ray Serve replicas (docs/cluster.md)
-        from specd.cluster.launch import serve_cluster_from_args
-
-        return serve_cluster_from_args(args)
     import uvicorn
 
     config = engine_config_from_args(args)
