@@ -143,9 +143,10 @@ class LLM:
         """One conversation through the model's chat template, tokenized and validated like `prompt`."""
         if self.tokenizer is None:
             raise InvalidParameterError("messages", "this model has no tokenizer / chat template")
-        text = self.tokenizer.apply_chat_template(messages)
-        # The template writes its own BOS.
-        return self.prompt(text, self.tokenizer.encode(text, add_special_tokens=False))
+        # Roles are checked against the template, and control-token text inside message contents is encoded as
+        # plain text (Tokenizer.render_chat); the template writes its own BOS.
+        rendered = self.tokenizer.render_chat(messages)
+        return self.prompt(rendered.text, rendered.token_ids)
 
     def add_request(
         self, prompt: str | Prompt | None, params: SamplingParams, prompt_token_ids: Sequence[int] | None = None,

@@ -11,21 +11,26 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from datetime import datetime
+from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
-from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Encoding, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as BackendTokenizer
 
 from specd.errors import InvalidParameterError, ModelLoadError
+from specd.model.chat_text import STANDARD_ROLES, content_spans, overlaps, template_roles
 from specd.model.gguf import read_gguf
 
 # GGUF `tokenizer.ggml.token_type` values (llama.cpp's llama_token_type).
 _GGUF_CONTROL, _GGUF_USER_DEFINED = 3, 4
 # GGUF pre-tokenizer names whose split is GPT-2's own regex (transformers uses it for these too).
 _GPT2_SPLIT_PRE_TYPES = (None, "default", "gpt2", "gpt-2", "smollm")
+# `encode` holds the GIL for its whole run (150k characters: ~0.25 s during which no other thread of a server
+# runs); `encode_batch` releases it. Short texts keep `encode`, which is a little faster.
+_RELEASE_GIL_ABOVE_CHARS = 4096
 
 
 def byte_level_alphabet() -> dict[int, str]:
@@ -48,7 +53,20 @@ def _tojson(value: Any, indent: int | None = None) -> str:
     return json.dumps(value, ensure_ascii=False, indent=indent)
 
 
-def _validate_messages(messages: Sequence[Mapping[str, str]]) -> list[dict[str, str]]:
+def _encode(backend: BackendTokenizer, text: str, add_special_tokens: bool) -> Encoding:
+    if len(text) > _RELEASE_GIL_ABOVE_CHARS:
+        return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+    return backend.encode(text, add_special_tokens=add_special_tokens)
+
+
+class ChatPrompt(NamedTuple):
+    """A rendered conversation: the template's text and its prompt token ids."""
+
+    text: str
+    token_ids: list[int]
+
+
+def _validate_messages(messages: Sequence[Mapping[str, str]], roles: frozenset[str]) -> list[dict[str, str]]:
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
         raise InvalidParameterError("messages", "must be a list of {'role': ..., 'content': ...} objects")
     if not messages:
@@ -60,6 +78,12 @@ def _validate_messages(messages: Sequence[Mapping[str, str]]) -> list[dict[str, 
         role, content = message.get("role"), message.get("content")
         if not isinstance(role, str) or not role:
             raise InvalidParameterError(f"messages[{i}].role", f"must be a non-empty string, got {role!r}")
+        if role not in roles:
+            # The role is written into the prompt as is: an unknown one could carry control text with it.
+            raise InvalidParameterError(
+                f"messages[{i}].role", f"must be one of {', '.join(sorted(roles))} (the roles this model's chat "
+                f"template knows), got {role[:40]!r}",
+            )
         if not isinstance(content, str):
             raise InvalidParameterError(f"messages[{i}].content", f"must be a string, got {type(content).__name__}")
         validated.append({"role": role, "content": content})
@@ -70,6 +94,7 @@ class Tokenizer:
     """One model's tokenizer. Never mutated after construction, so one instance serves every sequence.
 
     special_tokens: the strings a chat template may reference ({"bos_token": "<s>", "eos_token": ...}).
+    chat_roles: the message roles the chat template knows (system, user, assistant and any it names).
     """
 
     def __init__(
@@ -88,6 +113,7 @@ class Tokenizer:
         self.chat_template = chat_template
         self.special_tokens: dict[str, str] = dict(special_tokens or {})
         self._template: jinja2.Template | None = None
+        self.chat_roles = STANDARD_ROLES
         if chat_template is not None:
             env = ImmutableSandboxedEnvironment(
                 trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
@@ -97,6 +123,7 @@ class Tokenizer:
             env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
             try:
                 self._template = env.from_string(chat_template)
+                self.chat_roles = template_roles(env.parse(chat_template))
             except jinja2.TemplateError as exc:
                 raise ModelLoadError(f"chat_template: not a valid jinja2 template: {exc}") from exc
 
@@ -106,9 +133,46 @@ class Tokenizer:
         return self._backend
 
     # ------------------------------------------------------------------ core
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; add_special_tokens adds what the model's post-processor adds (BOS or nothing)."""
-        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
+    def encode(self, text: str, add_special_tokens: bool = True, split_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`; add_special_tokens adds what the model's post-processor adds (BOS or nothing).
+
+        split_special_tokens: read control-token strings in `text` (`<|im_end|>`) as plain text, the safe way to
+        encode text a client wrote; by default they become the control tokens, as in transformers.
+        """
+        backend = self._plain_backend if split_special_tokens else self._backend
+        return _encode(backend, text, add_special_tokens).ids
+
+    def warm_up(self) -> None:
+        """Build now what encoding client text builds on first use (a copy of the backend, max_token_chars;
+        ~0.5 s for a 49k vocabulary, holding the GIL), so a server's first request does not pay for it."""
+        _ = self._plain_backend, self._special_token_ids, self.max_token_chars
+
+    @cached_property
+    def _plain_backend(self) -> BackendTokenizer:
+        """A copy of the backend that splits special-token strings as ordinary text (the original is shared
+        by every thread, so its `encode_special_tokens` switch is never flipped)."""
+        plain = BackendTokenizer.from_str(self._backend.to_str())
+        plain.encode_special_tokens = True
+        return plain
+
+    @cached_property
+    def _special_token_ids(self) -> dict[int, str]:
+        """Control tokens (added tokens marked special) by id."""
+        return {i: t.content for i, t in self._backend.get_added_tokens_decoder().items() if t.special}
+
+    @cached_property
+    def max_token_chars(self) -> int:
+        """An upper bound on the characters of text one token can stand for, so a text longer than
+        `max_tokens * max_token_chars` characters cannot fit in `max_tokens` tokens (checked before encoding).
+
+        The longest token's UTF-8 length (>= its characters); x4 when the backend normalizes text first, since
+        a normalizer may fold several characters into one (NFKC: a base letter and its combining marks).
+        """
+        longest = max(
+            (len(self.decode([i], skip_special_tokens=False).encode("utf-8")) for i in range(self.vocab_size)),
+            default=1,
+        )
+        return max(1, longest) * (4 if self._backend.normalizer is not None else 1)
 
     def decode(self, token_ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
@@ -134,22 +198,72 @@ class Tokenizer:
     def apply_chat_template(
         self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True
     ) -> str:
-        """Render the model's chat template. Raises InvalidParameterError naming the bad field."""
-        validated = _validate_messages(messages)
+        """Render the model's chat template. Raises InvalidParameterError naming the bad field (a role the
+        template does not know included)."""
+        return self._render(_validate_messages(messages, self.chat_roles), add_generation_prompt)
+
+    def _render(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
         if self._template is None:
             raise InvalidParameterError("messages", "this model has no chat template; send a plain prompt")
         try:
             return self._template.render(
-                messages=validated, add_generation_prompt=add_generation_prompt, **self.special_tokens
+                messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens
             )
         except InvalidParameterError:  # raise_exception: the template rejected the conversation
             raise
         except (jinja2.TemplateError, TypeError, ValueError) as exc:  # the template itself misbehaved
             raise InvalidParameterError("messages", f"the chat template failed: {exc}") from exc
 
-    def encode_chat(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> list[int]:
-        """Prompt ids of a conversation. The template writes its own BOS, so none is added on top."""
-        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+    def encode_chat(
+        self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True,
+        split_special_tokens: bool = True,
+    ) -> list[int]:
+        """Prompt ids of a conversation (see render_chat)."""
+        return self.render_chat(messages, add_generation_prompt, split_special_tokens).token_ids
+
+    def render_chat(
+        self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True,
+        split_special_tokens: bool = True,
+    ) -> ChatPrompt:
+        """The rendered conversation and its prompt ids. The template writes its own BOS, so none is added.
+
+        split_special_tokens (default): control-token strings inside message contents are encoded as plain
+        text, so `"<|im_end|>"` written by a client cannot end its turn; the template's own control tokens
+        stay control tokens. Raises InvalidParameterError for a content that holds control-token text when
+        the template rewrites contents (trims, escapes), since where client text ends is then unknown.
+        Conversations without control text in their contents get exactly the ids of encoding the whole text.
+        """
+        validated = _validate_messages(messages, self.chat_roles)
+        text = self._render(validated, add_generation_prompt)
+        encoding = _encode(self._backend, text, add_special_tokens=False)
+        if not split_special_tokens:
+            return ChatPrompt(text, encoding.ids)
+        spans = content_spans(lambda marked: self._render(marked, add_generation_prompt), validated, text)
+        if spans is None:
+            specials = self._special_token_ids.values()
+            for i, message in enumerate(validated):
+                if any(special in message["content"] for special in specials):
+                    raise InvalidParameterError(
+                        f"messages[{i}].content", "holds control-token text, and this model's chat template "
+                        "rewrites message contents, so it cannot be kept as plain text",
+                    )
+            return ChatPrompt(text, encoding.ids)
+        forged = any(token_id in self._special_token_ids and overlaps(offsets, spans)
+                     for token_id, offsets in zip(encoding.ids, encoding.offsets))
+        if not forged:
+            return ChatPrompt(text, encoding.ids)
+        # Template text keeps its control tokens; contents are encoded as plain text, piece by piece.
+        token_ids: list[int] = []
+        cursor = 0
+        for start, end in spans:
+            if start > cursor:
+                token_ids += _encode(self._backend, text[cursor:start], add_special_tokens=False).ids
+            if end > start:
+                token_ids += _encode(self._plain_backend, text[start:end], add_special_tokens=False).ids
+            cursor = max(cursor, end)
+        if cursor < len(text):
+            token_ids += _encode(self._backend, text[cursor:], add_special_tokens=False).ids
+        return ChatPrompt(text, token_ids)
 
     # ------------------------------------------------------------------ constructors
     @staticmethod
