@@ -30,7 +30,12 @@ class PromptTooLongError(InvalidParameterError):
 
 
 class QueueFullError(SpecdError):
-    """The waiting queue is at its configured limit; the caller should retry later."""
+    """The waiting queue is at its configured limit; the caller should retry later (after `retry_after_s`
+    seconds, when the raiser could estimate it)."""
+
+    def __init__(self, message: str, retry_after_s: int | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class ModelLoadError(SpecdError):

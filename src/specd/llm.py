@@ -38,6 +38,7 @@ class EngineState(NamedTuple):
     num_waiting: int
     kv_used_slots: int
     kv_free_slots: int
+    num_in_line: int = 0  # the server's admission line (requests waiting for room in the queue); 0 here
 
 
 @dataclass(slots=True)
@@ -162,6 +163,11 @@ class LLM:
 
     def abort(self, request_id: str) -> bool:
         return self.engine.abort_request(request_id)
+
+    def queue_capacity(self) -> int | None:
+        """The most requests add_request can hold at once (running + waiting) on an idle engine; a batch
+        larger than this can never be added whole. None: no limit (max_waiting = 0)."""
+        return self.engine.queue_capacity()
 
     def stream(self, prompt: str | Prompt | None, params: SamplingParams | None = None,
                prompt_token_ids: list[int] | None = None) -> Iterator[RequestDelta]:

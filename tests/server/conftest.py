@@ -12,7 +12,6 @@ from dataclasses import dataclass
 import httpx
 import openai
 import pytest
-import uvicorn
 from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -20,6 +19,7 @@ from specd.config import EngineConfig, SpeculationConfig
 from specd.llm import LLM
 from specd.metrics.prometheus_sink import PrometheusSink
 from specd.server.app import ServerSettings, build_app
+from specd.server.runner import SpecdServer, make_server
 
 API_KEY = "test-key"
 MODEL_NAME = "tiny"
@@ -30,6 +30,8 @@ class LiveServer:
     url: str
     llm: LLM
     registry: CollectorRegistry
+    server: SpecdServer
+    settings: ServerSettings
     model: str = MODEL_NAME
     api_key: str = API_KEY
 
@@ -99,20 +101,26 @@ def make_llm(tiny_model, tokenizer):
 
 @pytest.fixture(scope="session")
 def start_server():
-    """start_server(llm, registry) -> context manager yielding a LiveServer."""
+    """start_server(llm, registry, api_key=API_KEY, **ServerSettings fields) -> context manager yielding a
+    LiveServer."""
     return run_server
 
 
 @contextmanager
-def run_server(llm: LLM, registry: CollectorRegistry, api_key: str | None = API_KEY) -> Iterator[LiveServer]:
-    app = build_app(llm, ServerSettings(MODEL_NAME, api_key, engine_stop_timeout_s=10.0), registry)
+def run_server(llm: LLM, registry: CollectorRegistry, api_key: str | None = API_KEY,
+               **settings: object) -> Iterator[LiveServer]:
+    """The app served as `specd serve` serves it (runner.make_server); `settings` are ServerSettings fields
+    (shutdown_grace_s defaults to 2 s here)."""
+    settings.setdefault("shutdown_grace_s", 2.0)
+    server_settings = ServerSettings(MODEL_NAME, api_key, engine_stop_timeout_s=10.0, **settings)  # type: ignore[arg-type]
+    app = build_app(llm, server_settings, registry)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+    server = make_server(app, server_settings, log_level="warning")
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
-    live = LiveServer(f"http://127.0.0.1:{port}", llm, registry)
+    live = LiveServer(f"http://127.0.0.1:{port}", llm, registry, server, server_settings)
     try:
         live.wait_for(lambda: server.started, timeout_s=30)
         yield live

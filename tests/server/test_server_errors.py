@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import logging
 import threading
+import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import httpx
 import openai
@@ -12,6 +15,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from specd.config import SpeculationConfig
+from specd.server.admission import RETRY_AFTER_UNKNOWN_RATE_S
 
 
 def _error(response: httpx.Response, status: int) -> dict:
@@ -35,6 +39,8 @@ BAD_BODIES = [
     ({"prompt": "x", "n": 17}, "n", "invalid_value"),
     ({"prompt": "x", "logprobs": 99}, "logprobs", "invalid_value"),
     ({"prompt": "x", "stop": [""]}, "stop", "invalid_value"),
+    ({"prompt": "x", "stop": [1, 2]}, "stop", "invalid_type"),
+    ({"prompt": [[1, "a"]]}, "prompt", "invalid_type"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options", "invalid_value"),
     ({"prompt": [5, 100000]}, "prompt", "invalid_value"),
     ({"prompt": []}, "prompt", "invalid_value"),
@@ -51,6 +57,8 @@ BAD_BODIES = [
 
 BAD_CHAT_BODIES = [
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "invalid_type"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content", "invalid_type"),
     ({"messages": "hi"}, "messages", "invalid_type"),
     ({"messages": [{"role": "user", "content": "x", "name": "bob"}]}, "messages[0].name", "unsupported_parameter"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs", "invalid_value"),
@@ -82,10 +90,27 @@ def test_bad_chat_fields(spec_server, body, param, code):
     assert (error["param"], error["code"]) == (param, code)
 
 
+@pytest.mark.parametrize(
+    ("path", "body", "accepted"),
+    [
+        ("/v1/completions", {"prompt": "x", "stop": [1, 2]}, "stop: must be a string or a list of strings"),
+        ("/v1/completions", {"prompt": {"text": "x"}},
+         "prompt: must be a string, a list of strings, a list of token ids or a list of token-id lists"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+         'messages[0].content: must be a string or a list of text parts ({"type": "text"'),
+    ],
+)
+def test_fields_of_several_types_say_what_they_accept(spec_server, path, body, accepted):
+    # pydantic would name only the union's first member ("Input should be a valid string").
+    error = _error(spec_server.post(path, json=body), 400)
+    assert error["message"].startswith(accepted) and "valid string" not in error["message"]
+
+
 def test_malformed_json_and_non_object(spec_server):
-    for content in (b"{bad json", b"", b"[1, 2]", b'"prompt"'):
-        error = _error(spec_server.post("/v1/completions", content=content), 400)
-        assert error["type"] == "invalid_request_error"
+    headers = {**spec_server.auth, "Content-Type": "application/json"}
+    for content in (b"{bad json", b"", b"[1, 2]", b'"prompt"', b"\xff\xfe"):
+        error = _error(spec_server.post("/v1/completions", content=content, headers=headers), 400)
+        assert error["type"] == "invalid_request_error" and "body" in error["message"]
     _good_request_works(spec_server)
 
 
@@ -132,13 +157,13 @@ def test_errors_are_counted(spec_server):
     assert spec_server.metrics()[key] == before + 1
 
 
-@pytest.fixture
-def slow_server(make_llm, start_server):
-    """One KV slot, a waiting queue of one, and ~20 ms per step, so a long request holds the slot."""
+@contextmanager
+def _one_slot_server(make_llm, start_server, queue_timeout_s: float) -> Iterator:
+    """One KV slot, a waiting queue of one (and a line of one), ~20 ms per step."""
     registry = CollectorRegistry()
     llm = make_llm(registry, step_delay_s=0.02, max_num_seqs=1, max_waiting=1,
                    speculation=SpeculationConfig(method="ngram"))
-    with start_server(llm, registry) as live:
+    with start_server(llm, registry, queue_timeout_s=queue_timeout_s) as live:
         yield live
 
 
@@ -150,26 +175,92 @@ def _first_event(lines: Iterator[str]) -> dict:
     raise AssertionError("no event")
 
 
-def test_queue_full_is_503_with_retry_after(slow_server):
-    engine = slow_server.llm.engine
-    body = {"model": slow_server.model, "prompt": "abc", "max_tokens": 200, "ignore_eos": True, "stream": True}
-    with httpx.Client(timeout=60, headers=slow_server.auth) as http, \
-            http.stream("POST", f"{slow_server.url}/v1/completions", json=body) as running:
-        assert running.status_code == 200
-        lines = running.iter_lines()
-        _first_event(lines)  # the long request holds the only slot now
-        waiting_result: list[httpx.Response] = []
-        waiter = threading.Thread(target=lambda: waiting_result.append(slow_server.post(
-            "/v1/completions", json={"prompt": "abc", "max_tokens": 2})))
-        waiter.start()
-        slow_server.wait_for(lambda: engine.num_waiting == 1)
-        response = slow_server.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2})
-        error = _error(response, 503)
-        assert error["code"] == "queue_full" and response.headers["retry-after"] == "1"
-        # n = 2 does not fit either, even as one request: choices are added all or nothing.
-        _error(slow_server.post("/v1/completions", json={"prompt": "abc", "n": 2}), 503)
-        assert engine.num_waiting == 1
-    # Closing the stream aborted the long request, so the waiting one runs and succeeds.
-    waiter.join(60)
-    assert waiting_result and waiting_result[0].status_code == 200
-    _good_request_works(slow_server)
+LONG_STREAM = {"model": "tiny", "prompt": "abc", "max_tokens": 200, "ignore_eos": True, "stream": True}
+
+
+def _in_background(server, body: dict, results: list, **kw) -> threading.Thread:
+    def send() -> None:
+        try:
+            results.append(server.post("/v1/completions", json=body, **kw))
+        except httpx.HTTPError as exc:
+            results.append(exc)
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    return thread
+
+
+@contextmanager
+def _slot_held(server) -> Iterator[None]:
+    """A long stream holds the only slot until the block ends (leaving it closes the stream)."""
+    with httpx.Client(timeout=60, headers=server.auth) as http, \
+            http.stream("POST", f"{server.url}/v1/completions", json=LONG_STREAM) as running:
+        lines = running.iter_lines()  # kept: a discarded iterator would close the stream
+        _first_event(lines)
+        yield
+
+
+def test_queue_full_without_waiting_is_503_with_retry_after(make_llm, start_server):
+    with _one_slot_server(make_llm, start_server, queue_timeout_s=0) as server:
+        engine = server.llm.engine
+        with _slot_held(server):
+            waiting: list = []
+            waiter = _in_background(server, {"prompt": "abc", "max_tokens": 2}, waiting)
+            server.wait_for(lambda: engine.num_waiting == 1)
+            response = server.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2})
+            error = _error(response, 503)
+            # Nothing has finished yet, so there is no finish rate to estimate from: the fixed fallback.
+            assert error["code"] == "queue_full"
+            assert response.headers["retry-after"] == str(RETRY_AFTER_UNKNOWN_RATE_S)
+            assert f"retry in {RETRY_AFTER_UNKNOWN_RATE_S}s" in error["message"]
+            # n = 2 could fit an idle server (1 slot + 1 waiting), so it is a 503 too, not a 400.
+            _error(server.post("/v1/completions", json={"prompt": "abc", "n": 2}), 503)
+            assert engine.num_waiting == 1
+        # Closing the stream aborted the long request, so the waiting one runs and succeeds.
+        waiter.join(60)
+        assert waiting[0].status_code == 200
+
+
+def test_full_queue_waits_in_line_first_come_first_served(make_llm, start_server):
+    with _one_slot_server(make_llm, start_server, queue_timeout_s=60) as server:
+        engine = server.llm.engine
+        in_line = ("specd_num_requests_in_line", (("model", server.model),))
+        finished: list = []
+        with _slot_held(server):
+            threads = [_in_background(server, {"prompt": "first", "max_tokens": 2}, finished)]
+            server.wait_for(lambda: engine.num_waiting == 1)  # in the engine's queue
+            threads.append(_in_background(server, {"prompt": "second!", "max_tokens": 2}, finished))
+            server.wait_for(lambda: server.metrics()[in_line] == 1)  # in line for room in the queue
+            response = server.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2})
+            error = _error(response, 503)  # the line (as long as the queue: one request) is full
+            assert "1 more in line" in error["message"] and 1 <= int(response.headers["retry-after"]) <= 60
+        # The long stream is gone: the queue moves, then the line, in arrival order (one slot: one at a time).
+        for thread in threads:
+            thread.join(60)
+        assert [r.status_code for r in finished] == [200, 200]
+        encode = server.llm.tokenizer.encode
+        assert [r.json()["usage"]["prompt_tokens"] for r in finished] == [len(encode("first")), len(encode("second!"))]
+        assert server.metrics()[in_line] == 0
+
+
+def test_waiting_in_line_is_bounded_and_leaving_the_line_frees_it(make_llm, start_server, caplog):
+    with _one_slot_server(make_llm, start_server, queue_timeout_s=0.5) as server:
+        engine = server.llm.engine
+        with _slot_held(server):
+            waiting: list = []
+            waiter = _in_background(server, {"prompt": "abc", "max_tokens": 2}, waiting)
+            server.wait_for(lambda: engine.num_waiting == 1)
+            started = time.monotonic()
+            response = server.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2})
+            error = _error(response, 503)
+            assert "within 0.5s" in error["message"] and int(response.headers["retry-after"]) >= 1
+            assert 0.4 < time.monotonic() - started < 30
+            # A client that hangs up while in line leaves it at once, with one log line.
+            with caplog.at_level(logging.INFO, logger="specd.server"):
+                with pytest.raises(httpx.ReadTimeout):
+                    server.post("/v1/completions", json={"prompt": "abc", "max_tokens": 2},
+                                timeout=httpx.Timeout(30, read=0.2))
+                server.wait_for(lambda: any("waiting for room" in r.getMessage() for r in caplog.records))
+            assert engine.num_waiting == 1 and engine.num_running == 1
+        waiter.join(60)
+        assert waiting[0].status_code == 200

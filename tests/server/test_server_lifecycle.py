@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
+import json
+import logging
 import threading
 import time
 
@@ -128,31 +129,39 @@ def test_step_crash_fails_requests_in_flight_only(server):
         server.llm.step = step
 
 
-def test_shutdown_aborts_running_requests(make_llm, start_server):
+def test_shutdown_past_the_grace_period_ends_requests_properly(make_llm, start_server, caplog):
+    """Requests still running when the grace period ends: a stream gets a final error event and [DONE], a
+    non-streaming request a 503; nothing is cancelled mid-write and nothing logs a traceback."""
     registry = CollectorRegistry()
-    llm = make_llm(registry, max_num_seqs=2)
-    step = llm.step
-
-    def slow_step():
-        time.sleep(0.02)
-        return step()
-
-    llm.step = slow_step
+    llm = make_llm(registry, step_delay_s=0.02, max_num_seqs=2)
     lines: list[str] = []
-    with start_server(llm, registry) as live:
-        def read() -> None:
-            # After uvicorn's graceful period the connection is cut mid-stream; that is the expected end.
-            with contextlib.suppress(httpx.RemoteProtocolError), httpx.stream(
-                "POST", f"{live.url}/v1/completions", json={**LONG, "stream": True}, headers=live.auth, timeout=30
-            ) as response:
-                for line in response.iter_lines():
-                    lines.append(line)
+    answers: list[httpx.Response] = []
+    with caplog.at_level(logging.INFO):
+        with start_server(llm, registry, shutdown_grace_s=0.5) as live:
+            def read() -> None:
+                with httpx.stream("POST", f"{live.url}/v1/completions", json={**LONG, "stream": True},
+                                  headers=live.auth, timeout=30) as response:
+                    lines.extend(response.iter_lines())
 
-        reader = threading.Thread(target=read)
-        reader.start()
-        live.wait_for(lambda: llm.engine.num_running == 1)
-    # start_server's exit asserts the engine thread stopped; the stream ended early and its slot is free.
-    reader.join(30)
-    assert not reader.is_alive()
+            def wait() -> None:
+                answers.append(live.post("/v1/completions", json=LONG, timeout=30))
+
+            readers = [threading.Thread(target=read), threading.Thread(target=wait)]
+            for reader in readers:
+                reader.start()
+            live.wait_for(lambda: llm.engine.num_running == 2 and len(lines) > 1)
+            started = time.monotonic()
+        # start_server's exit asserts that the server and the engine thread stopped.
+        for reader in readers:
+            reader.join(30)
+            assert not reader.is_alive()
+    assert time.monotonic() - started < 20  # the 0.5 s grace, not uvicorn's backstop or a hang
+    events = [line for line in lines if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    final = json.loads(events[-2].removeprefix("data: "))["error"]
+    assert (final["code"], final["type"]) == ("server_shutting_down", "service_unavailable_error")
+    assert 0 < len(events) - 2 < LONG["max_tokens"]  # it was cut, after some tokens
+    error = answers[0].json()["error"]
+    assert answers[0].status_code == 503 and error["code"] == "server_shutting_down"
     assert llm.engine.cache.num_used_slots == 0 and not llm.engine.has_unfinished()
-    assert 0 < sum(1 for line in lines if line.startswith("data: {")) < LONG["max_tokens"]
+    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]

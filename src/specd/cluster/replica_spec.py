@@ -16,7 +16,8 @@ from specd.config_args import engine_config_from_args
 from specd.errors import InvalidParameterError
 from specd.llm import LLM
 from specd.metrics.stats import StatsSink
-from specd.server.app import ServerSettings
+from specd.server.app import settings_from_args
+from specd.server.settings import ServerSettings
 
 LLMFactory = Callable[[EngineConfig, Sequence[StatsSink]], LLM]
 
@@ -69,5 +70,5 @@ class ReplicaSpec:
 def replica_spec_from_args(args: argparse.Namespace) -> ReplicaSpec:
     """The same mapping of flags as the single-process `specd serve` (server/app.py serve_from_args)."""
     config = engine_config_from_args(args)
-    settings = ServerSettings(args.served_model_name or args.model, args.api_key, float(args.shutdown_timeout))
+    settings = settings_from_args(args)
     return ReplicaSpec(config, settings, vllm_compat_metrics=args.vllm_compat_metrics)

@@ -186,10 +186,16 @@ class LLMEngine:
     def queue_room(self) -> int | None:
         """How many more requests add_request accepts now (None = unbounded). Requests that will get a free
         slot at the next step do not count as waiting; max_waiting bounds the ones beyond that."""
+        capacity = self.queue_capacity()
+        if capacity is None:
+            return None
+        return max(0, capacity - len(self.scheduler.running) - len(self.scheduler.waiting))
+
+    def queue_capacity(self) -> int | None:
+        """queue_room() of an idle engine: every slot free plus max_waiting (None = unbounded)."""
         if not self.config.max_waiting:
             return None
-        free = self.config.max_num_seqs - len(self.scheduler.running)
-        return max(0, self.config.max_waiting + free - len(self.scheduler.waiting))
+        return self.config.max_num_seqs + self.config.max_waiting
 
     def get_prompt_token_ids(self, request_id: str) -> list[int]:
         return list(self._seqs[request_id].prompt_token_ids)

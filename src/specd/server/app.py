@@ -1,7 +1,8 @@
 """`specd serve`: the FastAPI app, its command-line flags, and the uvicorn entry point.
 
 Routes: POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /v1/spec/stats (all under
---api-key when one is set), GET /health and GET /metrics (always open, for probes and scrapers).
+--api-key when one is set), GET /health and GET /metrics (always open, for probes and scrapers). Every
+route checks the Host header first; the POST routes take JSON bodies only (guards.py).
 """
 
 from __future__ import annotations
@@ -15,20 +16,26 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specd.cluster.options import add_cluster_arguments
 from specd.config_args import MAX_WAITING_FLAG, engine_config_from_args
-from specd.errors import InvalidParameterError
 from specd.llm import LLM
 from specd.metrics.prometheus_sink import PrometheusSink
 from specd.server.async_engine import AsyncEngine
 from specd.server.errors import APIError
+from specd.server.guards import (
+    LOOPBACK_HOSTS,
+    ClientDisconnected,
+    check_host,
+    check_json_content_type,
+    read_body,
+)
 from specd.server.metrics import RequestMetrics
 from specd.server.protocol import (
     EngineStateInfo,
@@ -39,28 +46,13 @@ from specd.server.protocol import (
     SpecStatsResponse,
     SpeculationInfo,
 )
+from specd.server.runner import make_server
 from specd.server.serving import OpenAIServing
+from specd.server.settings import DEFAULT_MAX_BODY_BYTES, ServerSettings
+
+__all__ = ["ServerSettings", "add_serve_arguments", "build_app", "serve", "serve_from_args"]
 
 logger = logging.getLogger("specd.server")
-
-
-@dataclass(frozen=True, slots=True)
-class ServerSettings:
-    """model_name: the name clients must send as `model` (omitting it is also accepted).
-    api_key: when set, /v1/* requires `Authorization: Bearer <api_key>`.
-    engine_stop_timeout_s: how long shutdown waits for the engine thread after aborting every request."""
-
-    model_name: str
-    api_key: str | None = None
-    engine_stop_timeout_s: float = 10.0
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.model_name, str) or not self.model_name:
-            raise InvalidParameterError("served_model_name", "must be a non-empty string")
-        if self.api_key is not None and (not isinstance(self.api_key, str) or not self.api_key):
-            raise InvalidParameterError("api_key", "must be a non-empty string when given")
-        if not self.engine_stop_timeout_s > 0:
-            raise InvalidParameterError("engine_stop_timeout_s", "must be > 0")
 
 
 def build_app(llm: LLM, settings: ServerSettings, registry: CollectorRegistry) -> FastAPI:
@@ -71,8 +63,10 @@ def build_app(llm: LLM, settings: ServerSettings, registry: CollectorRegistry) -
     """
     metrics = RequestMetrics(registry, settings.model_name)
     engine = AsyncEngine(llm, metrics)
-    serving = OpenAIServing(llm, engine, settings.model_name)
+    serving = OpenAIServing(llm, engine, settings.model_name, settings.queue_timeout_s,
+                            split_special_tokens=not settings.parse_special_tokens)
     started = int(time.time())
+    allowed_hosts = settings.host_allow_list
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -80,34 +74,55 @@ def build_app(llm: LLM, settings: ServerSettings, registry: CollectorRegistry) -
         try:
             yield
         finally:
-            # Requests still in flight here outlived uvicorn's graceful period: abort them, end the thread.
+            # Requests still in flight here outlived the shutdown grace period (runner.SpecdServer ends them at
+            # its deadline; under another server they end here): abort them, end the thread.
             if not await asyncio.to_thread(engine.stop, settings.engine_stop_timeout_s):
                 logger.error("the engine thread did not stop within %.1fs", settings.engine_stop_timeout_s)
 
-    app = FastAPI(title="specd", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    async def check_request_host(request: Request) -> None:
+        check_host(request, allowed_hosts)
+
+    # No trailing-slash redirects: their Location would echo the request's Host header.
+    app = FastAPI(title="specd", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None,
+                  redirect_slashes=False, dependencies=[Depends(check_request_host)])
     app.state.engine = engine
     app.state.llm = llm
+    if settings.cors_allow_origins:
+        app.add_middleware(
+            CORSMiddleware, allow_origins=list(settings.cors_allow_origins), allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type"], max_age=600,
+        )
+
+    def error_response(status_code: int, info: ErrorInfo, headers: dict[str, str] | None = None) -> Response:
+        # Every error status goes through here, so specd_request_errors_total counts them all.
+        metrics.observe_error(info.code or info.type)
+        return JSONResponse(ErrorBody(error=info).model_dump(), status_code=status_code, headers=headers)
 
     async def api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, APIError)
-        metrics.observe_error(exc.info.code or exc.info.type)
-        return JSONResponse(exc.body().model_dump(), status_code=exc.status_code, headers=exc.headers)
+        return error_response(exc.status_code, exc.info, exc.headers)
 
     async def unexpected_error(request: Request, exc: Exception) -> Response:
         logger.exception("unhandled error in %s %s", request.method, request.url.path, exc_info=exc)
-        body = ErrorBody(error=ErrorInfo(message=f"internal error: {type(exc).__name__}", type="server_error",
-                                         code="internal_error"))
-        return JSONResponse(body.model_dump(), status_code=500)
+        return error_response(500, ErrorInfo(message=f"internal error: {type(exc).__name__}", type="server_error",
+                                             code="internal_error"))
 
     async def http_error(request: Request, exc: Exception) -> Response:
         # Unknown routes and wrong methods, in the same error shape as everything else.
         assert isinstance(exc, StarletteHTTPException)
-        body = ErrorBody(error=ErrorInfo(message=str(exc.detail), type="invalid_request_error",
-                                         code=f"http_{exc.status_code}"))
-        return JSONResponse(body.model_dump(), status_code=exc.status_code, headers=exc.headers)
+        info = ErrorInfo(message=str(exc.detail), type="invalid_request_error", code=f"http_{exc.status_code}")
+        return error_response(exc.status_code, info, exc.headers)
+
+    async def client_gone(request: Request, exc: Exception) -> Response:
+        # Nobody is left to answer; uvicorn drops what is sent to a closed connection.
+        assert isinstance(exc, ClientDisconnected)
+        client = f"{request.client.host}:{request.client.port}" if request.client else "unknown client"
+        logger.info("%s %s: client %s disconnected %s", request.method, request.url.path, client, exc.what)
+        return Response(status_code=499)
 
     app.add_exception_handler(APIError, api_error)
     app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(ClientDisconnected, client_gone)
     app.add_exception_handler(Exception, unexpected_error)
 
     async def authorize(request: Request) -> None:
@@ -119,15 +134,22 @@ def build_app(llm: LLM, settings: ServerSettings, registry: CollectorRegistry) -
             raise APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
                            error_type="authentication_error", code="invalid_api_key")
 
+    async def json_only(request: Request) -> None:
+        check_json_content_type(request)
+
     guarded = [Depends(authorize)]
+    posted = [Depends(json_only), Depends(authorize)]
 
-    @app.post("/v1/completions", dependencies=guarded)
+    async def body_of(request: Request) -> bytes:
+        return await read_body(request, settings.max_body_bytes, settings.body_timeout_s)
+
+    @app.post("/v1/completions", dependencies=posted)
     async def completions(request: Request) -> Response:
-        return await serving.completions(await request.body(), request)
+        return await serving.completions(await body_of(request), request)
 
-    @app.post("/v1/chat/completions", dependencies=guarded)
+    @app.post("/v1/chat/completions", dependencies=posted)
     async def chat_completions(request: Request) -> Response:
-        return await serving.chat(await request.body(), request)
+        return await serving.chat(await body_of(request), request)
 
     @app.get("/v1/models", dependencies=guarded)
     async def models() -> Response:
@@ -165,14 +187,34 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="interface to bind (default: loopback only)")
     g.add_argument("--port", type=int, default=8000)
-    g.add_argument("--api-key", default=os.environ.get("SPECD_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $SPECD_API_KEY, else none)")
+    g.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/*; prefer the SPECD_API_KEY environment "
+                   "variable, which (unlike this flag) other users cannot read with ps")
     MAX_WAITING_FLAG.add_to(g, default=128)  # a server should bound its queue; the engine's default does not
+    g.add_argument("--queue-timeout", type=float, default=30.0,
+                   help="seconds a request that finds the waiting queue full waits in line (first come, first "
+                   "served) before 503 (0 = 503 at once)")
     g.add_argument("--served-model-name", default=None, help="the `model` clients send (default: --model)")
     g.add_argument("--vllm-compat-metrics", action="store_true",
                    help="also export vllm:spec_decode_* metric names")
-    g.add_argument("--shutdown-timeout", type=int, default=10,
-                   help="seconds in-flight requests get to finish on shutdown before they are aborted")
+    g.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="seconds in-flight requests get to finish on shutdown; then streams end with an error "
+                   "event and the rest get 503")
+    g.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="larger request bodies get 413 and are not read")
+    g.add_argument("--header-timeout", type=float, default=10.0,
+                   help="close connections whose request headers are not complete within this many seconds")
+    g.add_argument("--body-timeout", type=float, default=30.0,
+                   help="answer 408 to requests whose body is not complete within this many seconds")
+    g.add_argument("--allowed-hosts", action="append", default=[], metavar="HOST[,HOST...]",
+                   help="Host header names served besides 127.0.0.1, localhost and ::1 (repeatable; '*' = any): "
+                   "needed when clients reach the server by another name or address")
+    g.add_argument("--cors-allow-origin", action="append", default=[], metavar="ORIGIN",
+                   help="let web pages from ORIGIN (e.g. https://app.example.com; repeatable, '*' = any) call "
+                   "the API from a browser (default: no CORS)")
+    g.add_argument("--parse-special-tokens", action="store_true",
+                   help="read control-token text such as <|im_end|> in prompts and message contents as control "
+                   "tokens (default: plain text, so clients cannot forge chat turns)")
     add_cluster_arguments(parser)
 
 
@@ -204,12 +246,33 @@ def load_off_main_thread(load: Callable[[], LLM]) -> LLM:
     return llm
 
 
+def settings_from_args(args: argparse.Namespace) -> ServerSettings:
+    """ServerSettings from `specd serve` flags (the API key from SPECD_API_KEY unless --api-key is given)."""
+    allowed_hosts = [host.strip() for entry in args.allowed_hosts for host in entry.split(",") if host.strip()]
+    bind_host = args.host.strip("[]")
+    if bind_host not in ("0.0.0.0", "::", "", *LOOPBACK_HOSTS):  # clients reach a specific address by it
+        allowed_hosts.append(bind_host)
+    return ServerSettings(
+        args.served_model_name or args.model,
+        api_key=args.api_key or os.environ.get("SPECD_API_KEY") or None,
+        shutdown_grace_s=args.shutdown_timeout,
+        max_body_bytes=args.max_body_bytes,
+        header_timeout_s=args.header_timeout,
+        body_timeout_s=args.body_timeout,
+        allowed_hosts=tuple(allowed_hosts),
+        cors_allow_origins=tuple(args.cors_allow_origin),
+        queue_timeout_s=args.queue_timeout,
+        parse_special_tokens=args.parse_special_tokens,
+    )
+
+
 def serve_from_args(args: argparse.Namespace) -> int:
     """Load the model, then serve until interrupted. Returns the process exit code."""
-    import uvicorn
 
     config = engine_config_from_args(args)
-    settings = ServerSettings(args.served_model_name or args.model, args.api_key, float(args.shutdown_timeout))
+    settings = settings_from_args(args)
+    if args.api_key:
+        logger.warning("--api-key is visible to every user of this machine (ps); prefer SPECD_API_KEY")
     registry = CollectorRegistry()
     sink = PrometheusSink(
         registry,
@@ -223,10 +286,11 @@ def serve_from_args(args: argparse.Namespace) -> int:
     logger.info("loaded %s in %.1fs; speculation: %s; serving as '%s' on http://%s:%d", llm.source,
                 time.perf_counter() - started, config.speculation.method, settings.model_name, args.host, args.port)
     if args.host not in ("127.0.0.1", "localhost", "::1") and settings.api_key is None:
-        logger.warning("listening on %s without --api-key", args.host)
-    app = build_app(llm, settings, registry)
-    server = uvicorn.Server(uvicorn.Config(
-        app, host=args.host, port=args.port, log_level="info", timeout_graceful_shutdown=args.shutdown_timeout,
-    ))
-    server.run()
+        logger.warning("listening on %s without an API key (SPECD_API_KEY)", args.host)
+    return serve(build_app(llm, settings, registry), settings, host=args.host, port=args.port)
+
+
+def serve(app: FastAPI, settings: ServerSettings, **uvicorn_options: object) -> int:
+    """Serve `app` (from build_app) until SIGINT/SIGTERM, then shut down gracefully. Returns 0."""
+    make_server(app, settings, log_level="info", **uvicorn_options).run()
     return 0

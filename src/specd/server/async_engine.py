@@ -4,7 +4,7 @@ The engine is single-threaded, so every call into it (add_request, abort, step) 
 here. HTTP handlers talk to it through a command list guarded by a condition variable: commands are
 applied between steps, and the thread sleeps on the condition when it has neither commands nor work
 (no busy spin). Deltas go back to each request's asyncio.Queue with one `call_soon_threadsafe` per
-step and event loop.
+step and event loop. A batch that finds the waiting queue full may wait in an AdmissionLine for room.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
+import time
 import weakref
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -21,9 +22,17 @@ from specd.engine.outputs import RequestDelta
 from specd.errors import QueueFullError, SpecdError
 from specd.llm import LLM, EngineState, Prompt
 from specd.sampling.params import SamplingParams
+from specd.server.admission import AdmissionLine, FinishRate, retry_after_s
 from specd.server.metrics import RequestMetrics
 
 logger = logging.getLogger("specd.server")
+
+SHUTDOWN_MESSAGE = "the server is shutting down; the request was cut at the end of the shutdown grace period"
+
+
+def cut_by_shutdown(delta: RequestDelta) -> bool:
+    """A final delta of a request still running when the engine stopped (finish_reason "abort" + error)."""
+    return delta.error is not None and delta.finish_reason == "abort"
 
 
 class EngineStoppedError(SpecdError):
@@ -52,10 +61,17 @@ class _Route:
 
 @dataclass(frozen=True, slots=True)
 class _AddBatch:
+    """may_wait: join the admission line when there is no room (else fail at once with QueueFullError)."""
+
     requests: list[EngineRequest]
     loop: asyncio.AbstractEventLoop
     queue_ref: weakref.ref[asyncio.Queue[RequestDelta]]
     future: concurrent.futures.Future[None]
+    may_wait: bool = False
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.requests)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +114,11 @@ class AsyncEngine:
         self._commands: list[_AddBatch | _Abort] = []
         self._stopping = False
         self._routes: dict[str, _Route] = {}  # engine thread only
+        self.capacity = llm.queue_capacity()  # most engine requests queued at once; None: unbounded
+        # The line holds as many engine requests as the waiting queue itself (engine thread only).
+        self._line: AdmissionLine[_AddBatch] = AdmissionLine(llm.config.max_waiting)
+        self._finish_rate = FinishRate()  # engine thread only
+        self.finish_rate: float | None = None  # published after each step
         self._thread = threading.Thread(target=self._run, name="specd-engine", daemon=True)
         # What the engine thread published after its latest step (read by /health, /v1/spec/stats).
         self.state: EngineState = llm.engine_state()
@@ -110,25 +131,47 @@ class AsyncEngine:
     def is_running(self) -> bool:
         return self._thread.is_alive() and not self._stopping
 
-    def stop(self, timeout_s: float = 10.0) -> bool:
-        """Abort every request, let their final deltas out, end the thread. True if it ended in time."""
+    def request_stop(self) -> None:
+        """Start stopping without waiting: requests still running end with an error delta (SHUTDOWN_MESSAGE,
+        finish_reason "abort"), batches in line fail with EngineStoppedError, then the thread ends."""
         with self._cond:
             self._stopping = True
             self._cond.notify()
+
+    def stop(self, timeout_s: float = 10.0) -> bool:
+        """request_stop(), then wait for the thread to end. True if it ended in time."""
+        self.request_stop()
         if self._thread.is_alive():
             self._thread.join(timeout_s)
         return not self._thread.is_alive()
 
-    async def add_requests(self, requests: Sequence[EngineRequest]) -> DeltaStream:
-        """Add all of `requests` or none of them. Raises what LLM.add_request raises (InvalidParameterError,
-        PromptTooLongError), QueueFullError when the batch does not fit the waiting queue, or
-        EngineStoppedError."""
+    def retry_after_s(self, num_requests: int) -> int:
+        """Seconds until a batch of `num_requests` could find room, from the published queue state and the
+        recent finish rate (any thread)."""
+        if self.capacity is None:
+            return 1
+        state = self.state
+        queued = state.num_running + state.num_waiting + state.num_in_line
+        return retry_after_s(queued + num_requests - self.capacity, self.finish_rate)
+
+    async def add_requests(self, requests: Sequence[EngineRequest], wait_s: float = 0.0) -> DeltaStream:
+        """Add all of `requests` or none of them. With wait_s > 0, a batch that finds no room waits in line
+        (first come, first served) up to wait_s seconds for it. Raises what LLM.add_request raises
+        (InvalidParameterError, PromptTooLongError), QueueFullError (no room, line full or wait_s passed;
+        with a Retry-After estimate), or EngineStoppedError."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
         future: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._submit(_AddBatch(list(requests), loop, weakref.ref(queue), future))
+        self._submit(_AddBatch(list(requests), loop, weakref.ref(queue), future, may_wait=wait_s > 0))
         try:
-            await asyncio.wrap_future(future)
+            # On timeout the line entry is cancelled (dropped when it reaches the head).
+            await asyncio.wait_for(asyncio.wrap_future(future), wait_s if wait_s > 0 else None)
+        except asyncio.TimeoutError:
+            for request in requests:  # admitted in the same instant: undo it
+                self.abort(request.request_id)
+            raise QueueFullError(
+                f"no room in the waiting queue within {wait_s:g}s", self.retry_after_s(len(requests))
+            ) from None
         except asyncio.CancelledError:
             # The handler went away while the add was in flight; if it landed, undo it.
             for request in requests:
@@ -156,18 +199,25 @@ class AsyncEngine:
         try:
             while True:
                 with self._cond:
-                    while not self._commands and not self._stopping and not llm.has_unfinished():
+                    # A batch in line always fits an idle engine (larger ones never join), so an idle engine
+                    # with a line goes on to admit it rather than sleep.
+                    while not (self._commands or self._stopping or self._line or llm.has_unfinished()):
                         self._cond.wait()
                     commands, self._commands = self._commands, []
                     stopping = self._stopping
                 for command in commands:
                     if isinstance(command, _AddBatch):
-                        self._apply_add(command, stopping)
+                        self._on_add(command, stopping)
                     else:
                         self._llm.abort(command.request_id)
                 if stopping:
-                    for request_id in list(self._routes):
-                        self._llm.abort(request_id)
+                    for batch in self._line.drain():
+                        if batch.future.set_running_or_notify_cancel():
+                            batch.future.set_exception(EngineStoppedError("the server is shutting down"))
+                    if self._routes:
+                        self._fail_routes(SHUTDOWN_MESSAGE, finish_reason="abort")
+                else:
+                    self._line.admit(self._fits, self._apply_add)
                 if llm.has_unfinished():
                     self._step()
                 self._publish_state()
@@ -178,22 +228,37 @@ class AsyncEngine:
             with self._cond:
                 self._stopping = True
                 orphans, self._commands = self._commands, []
-            for command in orphans:
+            for command in [*orphans, *self._line.drain()]:
                 if isinstance(command, _AddBatch) and command.future.set_running_or_notify_cancel():
                     command.future.set_exception(EngineStoppedError("the engine thread crashed"))
             self._fail_routes("the engine thread crashed")
 
-    def _apply_add(self, command: _AddBatch, stopping: bool) -> None:
-        if not command.future.set_running_or_notify_cancel():
-            return  # the handler was cancelled before the engine saw the request
-        if stopping:
-            command.future.set_exception(EngineStoppedError("the server is shutting down"))
-            return
+    def _fits(self, num_requests: int) -> bool:
         room = self._llm.queue_room()
-        if room is not None and len(command.requests) > room:
-            max_waiting = self._llm.config.max_waiting
-            command.future.set_exception(QueueFullError(f"waiting queue is full ({max_waiting} requests)"))
+        return room is None or num_requests <= room
+
+    def _on_add(self, command: _AddBatch, stopping: bool) -> None:
+        """Add a new batch now if it fits and nobody is in line before it; else line it up or refuse it."""
+        if stopping:
+            if command.future.set_running_or_notify_cancel():
+                command.future.set_exception(EngineStoppedError("the server is shutting down"))
             return
+        never_fits = self.capacity is not None and command.num_requests > self.capacity
+        if not self._line and self._fits(command.num_requests):
+            self._apply_add(command)
+        elif command.may_wait and not never_fits and self._line.can_join(command.num_requests):
+            self._line.join(command)
+        elif command.future.set_running_or_notify_cancel():
+            in_line = f", {self._line.num_requests} more in line for room" if self._line else ""
+            self._publish_state()  # the estimate reads the published state
+            command.future.set_exception(QueueFullError(
+                f"waiting queue is full ({self._llm.config.max_waiting} requests{in_line})",
+                self.retry_after_s(command.num_requests),
+            ))
+
+    def _apply_add(self, command: _AddBatch) -> None:
+        if not command.future.set_running_or_notify_cancel():
+            return  # the handler was cancelled (or timed out) before the engine took the batch
         added: list[str] = []
         try:
             for request in command.requests:
@@ -220,7 +285,7 @@ class AsyncEngine:
             return
         self._dispatch(deltas)
 
-    def _fail_routes(self, message: str) -> None:
+    def _fail_routes(self, message: str, finish_reason: str = "error") -> None:
         deltas = []
         for request_id, route in self._routes.items():
             try:
@@ -228,7 +293,7 @@ class AsyncEngine:
             except Exception:
                 logger.exception("abort of %s failed", request_id)
             deltas.append(RequestDelta(
-                request_id, [], "", None, True, "error", route.num_prompt_tokens, route.num_output_tokens,
+                request_id, [], "", None, True, finish_reason, route.num_prompt_tokens, route.num_output_tokens,
                 error=message,
             ))
         self._dispatch(deltas)
@@ -242,6 +307,7 @@ class AsyncEngine:
             route.num_output_tokens = delta.num_output_tokens
             if delta.finished:
                 del self._routes[delta.request_id]
+                self._finish_rate.record(time.monotonic())
                 if self._metrics is not None:
                     self._metrics.observe_finished(delta)
             queue = route.queue_ref()
@@ -259,10 +325,12 @@ class AsyncEngine:
                         self._llm.abort(delta.request_id)
 
     def _publish_state(self) -> None:
-        state = self._llm.engine_state()
+        state = self._llm.engine_state()._replace(num_in_line=self._line.num_requests)
         self.state = state  # one reference assignment: readers on other threads see old or new, never half
+        self.finish_rate = self._finish_rate.per_second(time.monotonic())
         if self._metrics is not None:
-            self._metrics.set_engine_state(state.num_running, state.num_waiting, state.kv_used_slots)
+            self._metrics.set_engine_state(state.num_running, state.num_waiting, state.kv_used_slots,
+                                           state.num_in_line)
 
 
 def _deliver(items: list[tuple[asyncio.Queue[RequestDelta], RequestDelta]]) -> None:

@@ -12,11 +12,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
+from pydantic.fields import FieldInfo
 
 from specd.errors import InvalidParameterError, PromptTooLongError, QueueFullError
 from specd.server.protocol import ErrorBody, ErrorInfo
-
-QUEUE_FULL_RETRY_AFTER_S = 1
 
 
 class APIError(Exception):
@@ -55,9 +54,10 @@ def from_engine_error(exc: Exception, rename: Mapping[str, str] | None = None) -
         return APIError(400, f"{field}: {exc.message}", param=field, code="invalid_value")
     if isinstance(exc, QueueFullError):
         # 503 + Retry-After (not 429): the server is saturated, the client did nothing wrong.
+        retry_after_s = max(1, exc.retry_after_s or 1)
         return APIError(
-            503, f"{exc}; retry later", error_type="service_unavailable_error", code="queue_full",
-            headers={"Retry-After": str(QUEUE_FULL_RETRY_AFTER_S)},
+            503, f"{exc}; retry in {retry_after_s}s", error_type="service_unavailable_error", code="queue_full",
+            headers={"Retry-After": str(retry_after_s)},
         )
     return APIError(500, f"{type(exc).__name__}: {exc}", error_type="server_error", code="internal_error")
 
@@ -76,7 +76,11 @@ def from_validation_error(exc: ValidationError, model: type[BaseModel]) -> APIEr
         )
     if not loc:
         return bad_request(f"request body: {msg}", None, code="invalid_type")
-    param = _param_path(model, loc)
+    param, union_field = _param_path(model, loc)
+    if union_field is not None and union_field.description:
+        # pydantic reports one error per union member ("should be a valid string" for the first); what the
+        # client needs is the list of shapes the field accepts.
+        return bad_request(f"{param}: must be {union_field.description}", param, code="invalid_type")
     if kind == "missing":
         code = "missing_required_parameter"
     elif kind.endswith(("_type", "_parsing")):
@@ -93,20 +97,23 @@ def _join(loc: Sequence[int | str]) -> str:
     return out
 
 
-def _param_path(model: type[BaseModel], loc: tuple[int | str, ...]) -> str:
+def _param_path(model: type[BaseModel], loc: tuple[int | str, ...]) -> tuple[str, FieldInfo | None]:
     """Follow `loc` through the model's fields; stop at the first part that is not a field (pydantic's
-    union-member labels such as 'list[str]', which mean nothing to a client)."""
+    union-member labels such as 'list[str]', which mean nothing to a client). Returns the dotted path and,
+    when the error is inside a union-typed field, that field (its description lists what it accepts)."""
     current: type[BaseModel] | None = model
     kept: list[int | str] = []
+    field: FieldInfo | None = None
     for item in loc:
         if isinstance(item, int):
             kept.append(item)
             continue
         if current is None or item not in current.model_fields:
-            break
+            return _join(kept) or str(loc[0]), field
         kept.append(item)
-        current = _submodel(current.model_fields[item].annotation)
-    return _join(kept) or str(loc[0])
+        field = current.model_fields[item]
+        current = _submodel(field.annotation)
+    return _join(kept) or str(loc[0]), None
 
 
 def _submodel(annotation: Any) -> type[BaseModel] | None:

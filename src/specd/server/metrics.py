@@ -28,6 +28,11 @@ class RequestMetrics:
         self._waiting = Gauge(
             "specd_num_requests_waiting", "Requests queued for a KV slot.", labels, registry=registry
         ).labels(model_name)
+        self._in_line = Gauge(
+            "specd_num_requests_in_line",
+            "Requests waiting in the admission line for room in the waiting queue (--queue-timeout).",
+            labels, registry=registry,
+        ).labels(model_name)
         self._kv_used = Gauge(
             "specd_kv_cache_used_slots", "KV-cache slots in use (one per running sequence).",
             labels, registry=registry,
@@ -59,16 +64,17 @@ class RequestMetrics:
         )
         self._errors = Counter(
             "specd_request_errors",
-            "HTTP requests answered with an error body, by error code "
-            "(queue_full, invalid_value, invalid_api_key, internal_error, ...).",
+            "HTTP requests answered with an error status, by error code "
+            "(queue_full, invalid_value, invalid_api_key, http_404, internal_error, ...).",
             ("model", "code"), registry=registry,
         )
         self._model_name = model_name
 
-    def set_engine_state(self, num_running: int, num_waiting: int, kv_used_slots: int) -> None:
+    def set_engine_state(self, num_running: int, num_waiting: int, kv_used_slots: int, num_in_line: int = 0) -> None:
         self._running.set(num_running)
         self._waiting.set(num_waiting)
         self._kv_used.set(kv_used_slots)
+        self._in_line.set(num_in_line)
 
     def observe_finished(self, delta: RequestDelta) -> None:
         """Record one finished engine request from its final delta."""

@@ -2,6 +2,7 @@
 
 Requests are parsed strictly (`extra="forbid"`, no string-to-number coercion): a field we do not
 implement, such as `presence_penalty`, is an error naming it rather than something silently ignored.
+A field that accepts several JSON shapes says which in its `description`, the text its type error shows.
 Responses mirror OpenAI's shapes; `usage.speculative_decoding` is the one addition.
 """
 
@@ -41,7 +42,7 @@ class SamplingRequest(_Strict):
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: str | list[str] | None = Field(default=None, description="a string or a list of strings")
     n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -54,7 +55,9 @@ class SamplingRequest(_Strict):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(
+        description="a string, a list of strings, a list of token ids or a list of token-id lists"
+    )
     logprobs: int | None = None
 
 
@@ -65,7 +68,10 @@ class TextContentPart(_Strict):
 
 class ChatMessage(_Strict):
     role: str
-    content: str | list[TextContentPart]
+    content: str | list[TextContentPart] = Field(
+        description='a string or a list of text parts ({"type": "text", "text": "..."}); image, audio and file '
+        "parts are not supported"
+    )
 
     def text(self) -> str:
         if isinstance(self.content, str):
@@ -217,6 +223,7 @@ class EngineStateInfo(BaseModel):
     num_waiting: int
     kv_used_slots: int
     kv_free_slots: int
+    num_in_line: int  # waiting in the admission line for room in the waiting queue
 
 
 class SpecStatsResponse(BaseModel):

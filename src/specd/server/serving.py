@@ -3,6 +3,10 @@
 A request with P prompts and n choices becomes P * n engine requests, added all-or-nothing; choice
 `p * n + i` is prompt p's i-th sample and, when `seed` is given, uses `seed + i` (so a seeded n = 2 is
 reproducible and its two choices differ).
+
+Parsing, chat-template rendering and tokenization run on a worker thread, never on the event loop: a large
+prompt must not stall /health or other streams. Prompt text longer than max_model_len tokens could possibly
+cover is refused before it is tokenized.
 """
 
 from __future__ import annotations
@@ -18,21 +22,27 @@ from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
+from specd.engine.outputs import RequestDelta
 from specd.errors import InvalidParameterError
 from specd.llm import LLM, Prompt
 from specd.sampling.params import SamplingParams, SpecOverride
-from specd.server.async_engine import AsyncEngine, DeltaStream, EngineRequest, EngineStoppedError
+from specd.server.async_engine import AsyncEngine, DeltaStream, EngineRequest, EngineStoppedError, cut_by_shutdown
 from specd.server.errors import APIError, bad_request, from_engine_error, from_validation_error
+from specd.server.guards import ClientDisconnected
 from specd.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    ErrorInfo,
     SamplingRequest,
 )
 from specd.server.render import ChatRenderer, ChoiceState, CompletionRenderer, Renderer, request_usage
 
 _DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to "what fits"
 _RequestT = TypeVar("_RequestT", bound=BaseModel)
+
+
+class PromptInput(NamedTuple):
+    text: str | None
+    token_ids: list[int]
 
 
 class _FieldNames(NamedTuple):
@@ -47,6 +57,16 @@ class _FieldNames(NamedTuple):
                 "logprobs": self.logprobs}
 
 
+class _Prepared(NamedTuple):
+    """A parsed, validated and tokenized request, ready for the engine."""
+
+    request: SamplingRequest
+    engine_requests: list[EngineRequest]
+    num_prompt_tokens: int  # each prompt once (usage.prompt_tokens)
+    names: _FieldNames
+    renderer: Renderer
+
+
 def parse_request(body: bytes, model: type[_RequestT]) -> _RequestT:
     try:
         return model.model_validate_json(body, strict=True)
@@ -55,25 +75,47 @@ def parse_request(body: bytes, model: type[_RequestT]) -> _RequestT:
 
 
 class OpenAIServing:
-    """Turns OpenAI requests into engine requests and engine deltas into OpenAI responses."""
+    """Turns OpenAI requests into engine requests and engine deltas into OpenAI responses.
 
-    def __init__(self, llm: LLM, engine: AsyncEngine, model_name: str) -> None:
+    queue_timeout_s: how long a request that finds the waiting queue full waits in line for room (0: it gets
+    503 at once). split_special_tokens: control-token strings in client text are plain text (the safe
+    default); False honours them as control tokens (`--parse-special-tokens`).
+    """
+
+    def __init__(self, llm: LLM, engine: AsyncEngine, model_name: str, queue_timeout_s: float = 0.0,
+                 split_special_tokens: bool = True) -> None:
         self._llm = llm
         self._engine = engine
         self.model_name = model_name
         self._max_model_len = llm.config.max_model_len
+        self._queue_timeout_s = queue_timeout_s
+        self._split_special_tokens = split_special_tokens
+        self._max_token_chars: int | None = None
+        if llm.tokenizer is not None:
+            llm.tokenizer.warm_up()  # here, not on the first request (it holds the GIL for a while)
+            self._max_token_chars = llm.tokenizer.max_token_chars
 
     # ------------------------------------------------------------------ endpoints
     async def completions(self, body: bytes, http_request: Request) -> Response:
+        return await self._generate(await asyncio.to_thread(self._prepare_completion, body), http_request)
+
+    async def chat(self, body: bytes, http_request: Request) -> Response:
+        return await self._generate(await asyncio.to_thread(self._prepare_chat, body), http_request)
+
+    # ------------------------------------------------------------------ request -> engine requests (worker thread)
+    def _prepare_completion(self, body: bytes) -> _Prepared:
         request = parse_request(body, CompletionRequest)
         self._check_common(request)
         names = _FieldNames("prompt", "max_tokens", "logprobs")
-        prompts = self._completion_prompts(request.prompt, names)
+        prompt = request.prompt
+        num_prompts = 1 if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else len(prompt)
+        self._check_capacity(num_prompts, request.n, names)  # before tokenizing any of them
+        prompts = self._completion_prompts(prompt)
         renderer = CompletionRenderer(f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name,
                                       request.logprobs, self._llm.tokenizer)
-        return await self._generate(request, prompts, names, renderer, http_request)
+        return self._prepared(request, prompts, names, renderer)
 
-    async def chat(self, body: bytes, http_request: Request) -> Response:
+    def _prepare_chat(self, body: bytes) -> _Prepared:
         request = parse_request(body, ChatCompletionRequest)
         self._check_common(request)
         max_field = "max_tokens"
@@ -85,38 +127,27 @@ class OpenAIServing:
         if request.top_logprobs is not None and not request.logprobs:
             raise bad_request("top_logprobs requires logprobs: true", "top_logprobs")
         names = _FieldNames("messages", max_field, "top_logprobs")
+        self._check_capacity(1, request.n, names)
         top_logprobs = (request.top_logprobs or 0) if request.logprobs else None
         renderer = ChatRenderer(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name, top_logprobs,
                                 self._llm.tokenizer)
-        return await self._generate(request, [self._chat_prompt(request, names)], names, renderer, http_request)
+        return self._prepared(request, [self._chat_prompt(request)], names, renderer)
 
-    async def _generate(
-        self, request: SamplingRequest, prompts: list[Prompt], names: _FieldNames, renderer: Renderer,
-        http_request: Request,
-    ) -> Response:
+    def _prepared(self, request: SamplingRequest, inputs: list[PromptInput], names: _FieldNames,
+                  renderer: Renderer) -> _Prepared:
+        prompts = [self._validated(p, names) for p in inputs]
         engine_requests = self._engine_requests(renderer.response_id, request, prompts, renderer.top_logprobs,
                                                 names)
+        return _Prepared(request, engine_requests, sum(len(p.token_ids) for p in prompts), names, renderer)
+
+    def _validated(self, prompt: PromptInput, names: _FieldNames) -> Prompt:
+        """Validated once, here (tokenized already, with this server's special-token rule); the engine takes the
+        Prompt as it is."""
         try:
-            stream = await self._engine.add_requests(engine_requests)
-        except EngineStoppedError as exc:
-            raise APIError(503, str(exc), error_type="service_unavailable_error", code="engine_stopped") from None
-        except Exception as exc:
+            return self._llm.prompt(prompt.text, prompt.token_ids)
+        except InvalidParameterError as exc:
             raise from_engine_error(exc, names.engine_to_request()) from None
-        num_prompt_tokens = sum(len(p.token_ids) for p in prompts)
-        if request.stream:
-            include_usage = request.stream_options is not None and request.stream_options.include_usage
-            events = self._events(stream, http_request, renderer, num_prompt_tokens, include_usage)
-            return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        choices = await self._collect(stream, http_request)
-        body = renderer.response(choices, request_usage(num_prompt_tokens, choices, self._k_max))
-        # pydantic writes non-finite floats (a -inf logprob) as null; json.dumps would write invalid JSON.
-        return Response(body.model_dump_json(), media_type="application/json")
 
-    @property
-    def _k_max(self) -> int:
-        return self._llm.config.speculation.metrics_k_max
-
-    # ------------------------------------------------------------------ request -> engine requests
     def _check_common(self, request: SamplingRequest) -> None:
         if request.model is not None and request.model != self.model_name:
             raise APIError(404, f"model '{request.model}' does not exist; this server serves '{self.model_name}'",
@@ -127,35 +158,43 @@ class OpenAIServing:
             if request.stream_options.include_obfuscation:
                 raise bad_request("stream obfuscation is not supported", "stream_options.include_obfuscation")
 
-    def _completion_prompts(
-        self, prompt: str | list[int] | list[str] | list[list[int]], names: _FieldNames
-    ) -> list[Prompt]:
+    def _completion_prompts(self, prompt: str | list[int] | list[str] | list[list[int]]) -> list[PromptInput]:
         if isinstance(prompt, str):
-            return [self._prompt(prompt, None, names)]
+            return [self._text_prompt(prompt)]
         if not prompt:
             raise bad_request("prompt must not be empty", "prompt")
         if isinstance(prompt[0], int):  # the schema allows no mixed lists
-            return [self._prompt(None, cast(list[int], prompt), names)]
-        return [self._prompt(p, None, names) if isinstance(p, str) else self._prompt(None, p, names)
+            return [PromptInput(None, list(cast(list[int], prompt)))]
+        return [self._text_prompt(p) if isinstance(p, str) else PromptInput(None, list(p))
                 for p in cast(list[str | list[int]], prompt)]
 
-    def _prompt(self, text: str | None, token_ids: list[int] | None, names: _FieldNames) -> Prompt:
-        """Tokenized and validated once, here; the engine takes the Prompt as it is."""
-        if token_ids is None and self._llm.tokenizer is None:
-            raise bad_request("this model has no tokenizer; send the prompt as token ids", "prompt")
-        try:
-            return self._llm.prompt(text, token_ids)
-        except InvalidParameterError as exc:
-            raise from_engine_error(exc, names.engine_to_request()) from None
-
-    def _chat_prompt(self, request: ChatCompletionRequest, names: _FieldNames) -> Prompt:
+    def _text_prompt(self, text: str) -> PromptInput:
         if self._llm.tokenizer is None:
+            raise bad_request("this model has no tokenizer; send the prompt as token ids", "prompt")
+        self._check_num_chars(len(text), "prompt")
+        return PromptInput(text, self._llm.tokenizer.encode(text, split_special_tokens=self._split_special_tokens))
+
+    def _chat_prompt(self, request: ChatCompletionRequest) -> PromptInput:
+        tokenizer = self._llm.tokenizer
+        if tokenizer is None:
             raise bad_request("this model has no tokenizer / chat template", "messages")
         messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+        self._check_num_chars(sum(len(m["content"]) for m in messages), "messages")
         try:
-            return self._llm.chat_prompt(messages)
+            # The template writes its own BOS (as LLM.chat does).
+            rendered = tokenizer.render_chat(messages, split_special_tokens=self._split_special_tokens)
         except InvalidParameterError as exc:
-            raise from_engine_error(exc, names.engine_to_request()) from None
+            raise from_engine_error(exc) from None
+        return PromptInput(rendered.text, rendered.token_ids)
+
+    def _check_num_chars(self, num_chars: int, field: str) -> None:
+        """Refuse, before tokenizing it, text too long to fit in max_model_len whatever its tokens are."""
+        if self._max_token_chars is not None and num_chars > self._max_model_len * self._max_token_chars:
+            raise APIError(
+                400, f"{field}: {num_chars} characters cannot fit in max_model_len ({self._max_model_len} tokens): "
+                f"no token of this model stands for more than {self._max_token_chars} characters",
+                param=field, code="context_length_exceeded",
+            )
 
     def _engine_requests(
         self, response_id: str, request: SamplingRequest, prompts: list[Prompt], logprobs: int | None,
@@ -185,7 +224,55 @@ class OpenAIServing:
                 raise from_engine_error(exc, rename) from None
         return out
 
-    # ------------------------------------------------------------------ engine deltas -> HTTP
+    def _check_capacity(self, num_prompts: int, n: int, names: _FieldNames) -> None:
+        """A request of more engine requests than even an idle server holds at once can never be admitted:
+        a 400 naming the field (waiting and retrying cannot help), not a 503."""
+        capacity = self._engine.capacity
+        if capacity is None or num_prompts * n <= capacity:
+            return
+        param = names.prompt if num_prompts > capacity else "n"
+        raise bad_request(
+            f"{param}: {num_prompts} prompt(s) x n = {n} make {num_prompts * n} engine requests, more than this "
+            f"server ever holds at once ({capacity} = --max-num-seqs + --max-waiting); split the request", param,
+        )
+
+    # ------------------------------------------------------------------ engine requests -> HTTP
+    async def _generate(self, prepared: _Prepared, http_request: Request) -> Response:
+        request, renderer, num_prompt_tokens = prepared.request, prepared.renderer, prepared.num_prompt_tokens
+        stream = await self._admit(prepared, http_request)
+        if request.stream:
+            include_usage = request.stream_options is not None and request.stream_options.include_usage
+            events = self._events(stream, http_request, renderer, num_prompt_tokens, include_usage)
+            return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        choices = await self._collect(stream, http_request)
+        body = renderer.response(choices, request_usage(num_prompt_tokens, choices, self._k_max))
+        # pydantic writes non-finite floats (a -inf logprob) as null; json.dumps would write invalid JSON.
+        return Response(body.model_dump_json(), media_type="application/json")
+
+    async def _admit(self, prepared: _Prepared, http_request: Request) -> DeltaStream:
+        """Add the engine requests (waiting in line for room up to queue_timeout_s); a client that hangs up
+        meanwhile leaves the line."""
+        add = asyncio.ensure_future(self._engine.add_requests(prepared.engine_requests, self._queue_timeout_s))
+        gone = asyncio.ensure_future(_disconnected(http_request))
+        try:
+            await asyncio.wait({add, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not add.done():
+                add.cancel()  # add_requests undoes whatever landed
+        if not add.done():
+            raise ClientDisconnected("while waiting for room in the queue")
+        try:
+            return add.result()
+        except EngineStoppedError as exc:
+            raise APIError(503, str(exc), error_type="service_unavailable_error", code="engine_stopped") from None
+        except Exception as exc:
+            raise from_engine_error(exc, prepared.names.engine_to_request()) from None
+
+    @property
+    def _k_max(self) -> int:
+        return self._llm.config.speculation.metrics_k_max
+
     async def _collect(self, stream: DeltaStream, http_request: Request) -> list[ChoiceState]:
         """Every choice to its end. A client that disconnects aborts them (their KV slots free at once)."""
         choices = [ChoiceState(i) for i in range(len(stream.request_ids))]
@@ -195,8 +282,7 @@ class OpenAIServing:
             async for delta in stream:
                 by_id[delta.request_id].add(delta)
                 if delta.error is not None:
-                    raise APIError(500, f"generation failed: {delta.error}", error_type="server_error",
-                                   code="internal_error")
+                    raise _generation_error(delta)
         finally:
             watcher.cancel()
             stream.abort()  # no-op unless we leave early (error, cancellation)
@@ -218,9 +304,7 @@ class OpenAIServing:
                 if delta.finished:
                     choice.final = delta
                 if delta.error is not None:
-                    error = ErrorInfo(message=f"generation failed: {delta.error}", type="server_error",
-                                      code="internal_error")
-                    yield _frame(f'{{"error": {error.model_dump_json()}}}')
+                    yield _frame(f'{{"error": {_generation_error(delta).info.model_dump_json()}}}')
                     break
                 if renderer.worth_sending(delta):
                     yield _frame(renderer.chunk(choice, delta))
@@ -249,6 +333,18 @@ def _sampling_params(request: SamplingRequest, max_tokens: int, logprobs: int | 
             enabled=spec.enabled, num_speculative_tokens=spec.num_speculative_tokens, k_policy=spec.k_policy
         ),
     )
+
+
+def _generation_error(delta: RequestDelta) -> APIError:
+    if cut_by_shutdown(delta):
+        return APIError(503, f"{delta.error}", error_type="service_unavailable_error", code="server_shutting_down")
+    return APIError(500, f"generation failed: {delta.error}", error_type="server_error", code="internal_error")
+
+
+async def _disconnected(http_request: Request) -> None:
+    """Returns when the client hangs up (the body is read, so the next ASGI message is the disconnect)."""
+    while (await http_request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _abort_on_disconnect(http_request: Request, stream: DeltaStream) -> None:
