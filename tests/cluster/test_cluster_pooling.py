@@ -113,7 +113,8 @@ def test_pooled_stats_body_sums_live_engines_and_lists_replicas(replicas):
     entries = _entries(replicas)
     local = {"model": "tiny", "metrics": {"counters": {}}, "engine": {}, "uptime_s": 1.0}
     body = pooled_spec_stats(local, entries, K_MAX)
-    assert body["engine"] == {"num_running": 2, "num_waiting": 4, "kv_used_slots": 2, "kv_free_slots": 14}
+    assert body["engine"] == {"num_running": 2, "num_waiting": 4, "kv_used_slots": 2, "kv_free_slots": 14,
+                              "num_in_line": 0}
     assert [row["replica"] for row in body["replicas"]] == ["a", "b"]
     assert [row["finished_requests"] for row in body["replicas"]] == [2, 4]
     assert body["metrics"]["counters"]["drafts"] == _sum_usage(replicas, "drafts")
@@ -132,7 +133,7 @@ class _Source:
 
 async def _get(app, path: str, headers: dict[str, str] | None = None) -> httpx.Response:
     transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://replica") as client:
+    async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as client:
         return await client.get(path, headers=headers or {})
 
 

@@ -171,7 +171,7 @@ def _recorded_prompt_ids(server, monkeypatch) -> list[list[int]]:
     add_request = server.llm.add_request
 
     def recording(prompt, params, prompt_token_ids=None, request_id=None):
-        seen.append(list(prompt_token_ids))
+        seen.append(list(prompt.token_ids if prompt_token_ids is None else prompt_token_ids))
         return add_request(prompt, params, prompt_token_ids, request_id=request_id)
 
     monkeypatch.setattr(server.llm, "add_request", recording)
