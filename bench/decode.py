@@ -1,105 +1,363 @@
-"""Plain decoding throughput: specd vs transformers `generate` on the default model, side by side.
+"""Plain decoding end to end: specd vs llama.cpp on the same GGUF, side by side in one run.
 
-    .venv/bin/python bench/decode.py [--max-tokens 64] [--dtypes float32 bfloat16]
+    .venv/bin/python bench/decode.py [--engines llama.cpp specd:default specd:float32 transformers:bfloat16]
+        [--kinds chat code rewrite docqa long] [--max-tokens 128] [--rounds 3] [--batch8-kind rewrite]
+        [--json OUT]
 
-Batch 1 (tokens/s) and batch 8 (aggregate tokens/s), same prompts, greedy, EOS ignored so every run
-generates exactly --max-tokens tokens per sequence. specd's int4 mode is compared with transformers in
-bfloat16 (its activation dtype). Each number is the best of --repeats runs.
+Every engine reads the default model (SmolLM2-135M-Instruct, Q4_1 GGUF) and gets the same prompt token ids:
+chat-templated conversations from bench/prompts.py (the template adds the model's default system prompt),
+one per kind at batch 1, and eight different prompts of `--batch8-kind` at batch 8; `long` is one question
+over all nine documents of the docqa kind (~900 tokens). Greedy, EOS ignored, `--max-tokens` new tokens per
+sequence. Each engine runs in its own worker process (no two OpenMP pools share the cores) and stays loaded;
+the rounds interleave the engines (the starting engine rotates), and each figure is the median over rounds
+with the range beside it.
+
+- TTFT: request start to its first token (prefill plus one sampled token).
+- decode tok/s: tokens after the first ones / time after them (for batch 8: after the last sequence's first
+  token, all sequences in lockstep).
+- e2e tok/s: every generated token / the whole request time.
+
+llama.cpp runs through llama-cpp-python's low-level bindings (`llama_decode` on a batch, greedy argmax over
+the logits in numpy), with one sequence per KV stream at batch 8, so both engines pay only their own step.
+The llama.cpp rows are skipped, with the install command, when `llama_cpp` is not importable.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
+import json
+import os
+import statistics
+import subprocess
 import sys
-from collections.abc import Callable
-from functools import partial
+import time
+from collections.abc import Sequence
 from pathlib import Path
-
-import torch
+from typing import Any, NamedTuple, Protocol
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import load_transformers, markdown_table, timed
-from specd.llm import LLM
-from specd.sampling.params import SamplingParams
+from common import default_gguf, markdown_table
+from prompts import prompts_of
 
-PROMPTS = [
-    "Write a short story about a robot who learns to paint.",
-    "Explain how a hash map works, step by step.",
-    "List five tips for staying focused while studying.",
-    "What is the capital of France? Answer and then describe the city.",
-    "Translate to French: The weather is lovely today and we are going to the park.",
-    "Summarize the plot of Romeo and Juliet.",
-    "Give me a recipe for pancakes.",
-    "Describe the water cycle to a ten-year-old.",
-]
+LLAMA_CPP_INSTALL = (  # the `bench` extra of pyproject.toml; builds llama.cpp from source (minutes)
+    'CMAKE_ARGS="-DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF" '
+    ".venv/bin/pip install 'llama-cpp-python==0.3.36'"
+)
+KINDS = ("chat", "code", "rewrite", "docqa", "long")
+NUM_LONG_DOCUMENTS = 9
 
 
-def hf_generate(model: object, tok: object, prompts: list[str], max_tokens: int) -> int:
-    tok.padding_side = "left"  # type: ignore[attr-defined]
-    if tok.pad_token is None:  # type: ignore[attr-defined]
-        tok.pad_token = tok.eos_token  # type: ignore[attr-defined]
-    enc = tok(prompts, return_tensors="pt", padding=True)  # type: ignore[operator]
-    with torch.inference_mode():
-        out = model.generate(  # type: ignore[attr-defined]
-            **enc, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, pad_token_id=tok.pad_token_id  # type: ignore[attr-defined]
+class RunTiming(NamedTuple):
+    """One generation of a batch, from the moment its requests were handed to the engine."""
+
+    ttft_s: float  # median over sequences of request start -> that sequence's first token
+    first_all_s: float  # request start -> the last sequence's first token
+    total_s: float  # request start -> last token
+    num_tokens: int  # generated tokens, all sequences
+    num_decode_tokens: int  # tokens emitted after first_all_s
+
+    @property
+    def decode_rate(self) -> float:
+        return self.num_decode_tokens / max(self.total_s - self.first_all_s, 1e-9)
+
+    @property
+    def e2e_rate(self) -> float:
+        return self.num_tokens / self.total_s
+
+
+class TokenClock:
+    """Emission times of every sequence's tokens, turned into a RunTiming."""
+
+    def __init__(self, num_seqs: int) -> None:
+        self.start = time.perf_counter()
+        self.first: list[float | None] = [None] * num_seqs
+        self.events: list[tuple[float, int]] = []  # (seconds since start, tokens emitted then)
+
+    def emit(self, seq_index: int, num_tokens: int) -> None:
+        if num_tokens == 0:
+            return
+        now = time.perf_counter() - self.start
+        if self.first[seq_index] is None:
+            self.first[seq_index] = now
+        self.events.append((now, num_tokens))
+
+    def result(self) -> RunTiming:
+        total = time.perf_counter() - self.start
+        firsts = [f for f in self.first if f is not None]
+        if len(firsts) != len(self.first):
+            raise RuntimeError("a sequence produced no token")
+        first_all = max(firsts)
+        return RunTiming(
+            ttft_s=statistics.median(firsts),
+            first_all_s=first_all,
+            total_s=total,
+            num_tokens=sum(n for _, n in self.events),
+            num_decode_tokens=sum(n for t, n in self.events if t > first_all),
         )
-    return (out.shape[1] - enc["input_ids"].shape[1]) * len(prompts)
 
 
-def specd_generate(llm: LLM, prompts: list[str], max_tokens: int) -> int:
-    outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
-    return sum(len(o.outputs[0].token_ids) for o in outs)
+class Runner(Protocol):
+    def run(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> RunTiming: ...
 
 
-def best_rate(fn: Callable[[], int], repeats: int) -> float:
-    rates = []
-    for _ in range(repeats):
-        n, s = timed(fn)
-        rates.append(n / s)
-    return max(rates)
+class SpecdRunner:
+    def __init__(self, dtype: str) -> None:
+        from specd.llm import LLM
+
+        kwargs: dict[str, Any] = {} if dtype == "default" else {"dtype": dtype}
+        self.llm = LLM("default", max_num_seqs=8, **kwargs)
+
+    def run(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> RunTiming:
+        from specd.sampling.params import SamplingParams
+
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        clock = TokenClock(len(prompts))
+        index = {self.llm.add_request(None, params, list(p)): i for i, p in enumerate(prompts)}
+        remaining = len(index)
+        while remaining:
+            for delta in self.llm.step():
+                clock.emit(index[delta.request_id], len(delta.new_token_ids))
+                remaining -= delta.finished
+        return clock.result()
 
 
-def measure_transformers(dtype: torch.dtype, max_tokens: int, repeats: int) -> tuple[float, float]:
-    hf, tok = load_transformers(dtype)
-    hf_generate(hf, tok, PROMPTS[:1], 4)  # warm-up
-    b1 = best_rate(partial(hf_generate, hf, tok, PROMPTS[:1], max_tokens), repeats)
-    b8 = best_rate(partial(hf_generate, hf, tok, PROMPTS, max_tokens), repeats)
-    return b1, b8
+class LlamaCppRunner:
+    """llama.cpp's own decode loop, driven from Python: one `llama_decode` per step for the whole batch."""
+
+    def __init__(self, n_ctx_per_seq: int = 2048, max_batch: int = 8) -> None:
+        import llama_cpp
+        import numpy as np
+
+        self.lib, self.np = llama_cpp, np
+        llama_cpp.llama_backend_init()
+        self.model = llama_cpp.llama_model_load_from_file(
+            str(default_gguf()).encode(), llama_cpp.llama_model_default_params()
+        )
+        self.n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
+        self.n_batch = 512
+        threads = os.cpu_count() or 1
+        self.contexts = {}
+        for num_seqs in (1, max_batch):  # batch 1 gets a context of its own, sized like any single-user run
+            params = llama_cpp.llama_context_default_params()
+            params.n_ctx = n_ctx_per_seq * num_seqs
+            params.n_batch = params.n_ubatch = self.n_batch
+            params.n_seq_max = num_seqs
+            params.n_threads = params.n_threads_batch = threads
+            self.contexts[num_seqs] = llama_cpp.llama_init_from_model(self.model, params)
+        self.batch = llama_cpp.llama_batch_init(self.n_batch, 0, max_batch)
+
+    def _decode(self, ctx: Any, entries: Sequence[tuple[int, int, int, bool]]) -> None:
+        """entries: (token, position, sequence, wants logits)."""
+        batch = self.batch
+        for i, (token, pos, seq, logits) in enumerate(entries):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = token, pos, 1, logits
+            batch.seq_id[i][0] = seq
+        batch.n_tokens = len(entries)
+        if self.lib.llama_decode(ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed")
+
+    def _argmax(self, ctx: Any, row: int) -> int:
+        logits = self.np.ctypeslib.as_array(self.lib.llama_get_logits_ith(ctx, row), shape=(self.n_vocab,))
+        return int(logits.argmax())
+
+    def run(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> RunTiming:
+        ctx = self.contexts[1 if len(prompts) == 1 else max(self.contexts)]
+        self.lib.llama_memory_clear(self.lib.llama_get_memory(ctx), True)
+        clock = TokenClock(len(prompts))
+        last: list[int] = []
+        for seq, prompt in enumerate(prompts):  # prefill one sequence at a time, in n_batch chunks
+            for lo in range(0, len(prompt), self.n_batch):
+                chunk = prompt[lo : lo + self.n_batch]
+                is_last = lo + len(chunk) == len(prompt)
+                self._decode(ctx, [(t, lo + j, seq, is_last and j == len(chunk) - 1) for j, t in enumerate(chunk)])
+            last.append(self._argmax(ctx, len(chunk) - 1))
+            clock.emit(seq, 1)
+        for step in range(1, max_tokens):
+            self._decode(ctx, [(last[s], len(p) + step - 1, s, True) for s, p in enumerate(prompts)])
+            for s in range(len(prompts)):
+                last[s] = self._argmax(ctx, s)
+                clock.emit(s, 1)
+        return clock.result()
 
 
-def measure_specd(dtype_name: str, max_tokens: int, repeats: int) -> tuple[float, float]:
-    llm = LLM("default", dtype=dtype_name, max_num_seqs=8)
-    specd_generate(llm, PROMPTS[:1], 4)
-    b1 = best_rate(partial(specd_generate, llm, PROMPTS[:1], max_tokens), repeats)
-    b8 = best_rate(partial(specd_generate, llm, PROMPTS, max_tokens), repeats)
-    return b1, b8
+class TransformersRunner:
+    """transformers `generate` on the same GGUF; a streamer timestamps every step."""
+
+    def __init__(self, dtype: str) -> None:
+        import torch
+
+        from common import load_transformers
+
+        self.torch = torch
+        self.model, self.tokenizer = load_transformers(getattr(torch, dtype))
+
+    def run(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> RunTiming:
+        from transformers.generation.streamers import BaseStreamer
+
+        torch = self.torch
+        width = max(len(p) for p in prompts)
+        pad = self.tokenizer.eos_token_id
+        input_ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts])  # left padding
+        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        clock = TokenClock(len(prompts))
+
+        class Stamp(BaseStreamer):
+            def __init__(self) -> None:
+                self.prompt_seen = False
+
+            def put(self, value: Any) -> None:
+                if not self.prompt_seen:  # the first call hands over the prompt
+                    self.prompt_seen = True
+                    return
+                for s in range(len(prompts)):
+                    clock.emit(s, 1)
+
+            def end(self) -> None:
+                pass
+
+        with torch.inference_mode():
+            self.model.generate(
+                input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens, do_sample=False, pad_token_id=pad, streamer=Stamp(),
+            )
+        return clock.result()
+
+
+def make_runner(engine: str) -> Runner:
+    name, _, option = engine.partition(":")
+    if name == "specd":
+        return SpecdRunner(option or "default")
+    if name == "llama.cpp":
+        return LlamaCppRunner()
+    if name == "transformers":
+        return TransformersRunner(option or "bfloat16")
+    raise SystemExit(f"--engines: unknown engine {engine!r} (specd[:dtype], llama.cpp, transformers[:dtype])")
+
+
+def serve_worker(engine: str) -> None:
+    """Worker process: load one engine, then answer one JSON request per stdin line on stdout."""
+    runner = make_runner(engine)
+    runner.run([[1, 2, 3]], 4)  # warm-up: first-call allocations and lazy initialisation
+    print(json.dumps({"ready": True}), flush=True)
+    for line in sys.stdin:
+        request = json.loads(line)
+        timing = runner.run(request["prompts"], request["max_tokens"])
+        print(json.dumps(timing._asdict()), flush=True)
+
+
+class Worker:
+    def __init__(self, engine: str) -> None:
+        self.engine = engine
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, "--worker", engine], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            text=True, env=os.environ.copy(),
+        )
+        self._read()
+
+    def _read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise SystemExit(f"worker {self.engine} exited (code {self.proc.wait()})")
+        return json.loads(line)
+
+    def run(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> RunTiming:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps({"prompts": [list(p) for p in prompts], "max_tokens": max_tokens}) + "\n")
+        self.proc.stdin.flush()
+        return RunTiming(**self._read())
+
+    def close(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+def build_cases(kinds: Sequence[str], batch8_kind: str | None) -> list[tuple[str, int, list[list[int]]]]:
+    """(kind, batch size, prompt token ids) for every measured case, chat-templated by specd's tokenizer."""
+    from specd.model.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_gguf(default_gguf())
+    cases: list[tuple[str, int, list[list[int]]]] = []
+    for kind in kinds:
+        if kind == "long":
+            docqa = [p.messages[0]["content"] for p in prompts_of("docqa")[:NUM_LONG_DOCUMENTS]]
+            documents = "\n\n".join(text.split("Document:", 1)[1].split("Question:", 1)[0].strip() for text in docqa)
+            question = docqa[-1].split("Question:", 1)[1].strip()
+            messages: Sequence[dict[str, str]] = [{"role": "user", "content": (
+                "Read the documents and answer the question using their words.\n\n"
+                f"Documents:\n{documents}\n\nQuestion: {question}"
+            )}]
+        else:
+            messages = prompts_of(kind)[0].messages
+        cases.append((kind, 1, [tokenizer.encode_chat(messages)]))
+    if batch8_kind:
+        cases.append((batch8_kind, 8, [tokenizer.encode_chat(p.messages) for p in prompts_of(batch8_kind)[:8]]))
+    return cases
+
+
+def spread(values: list[float], digits: int = 1) -> str:
+    return f"{statistics.median(values):.{digits}f} ({min(values):.{digits}f}-{max(values):.{digits}f})"
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "int4"],
-                    help="int4 = specd's int4-weight mode, compared with transformers in bfloat16")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--engines", nargs="+", default=["llama.cpp", "specd:default", "specd:float32"])
+    ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
+    ap.add_argument("--batch8-kind", default="rewrite", help="kind of the batch-8 case ('' to skip it)")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", type=Path, help="also write every run's timings here")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.worker:
+        serve_worker(args.worker)
+        return
+    engines = list(args.engines)
+    if "llama.cpp" in engines:
+        try:
+            import llama_cpp  # noqa: F401
+        except ImportError:
+            print(f"llama.cpp rows skipped: llama_cpp is not installed. Install it with:\n  {LLAMA_CPP_INSTALL}",
+                  file=sys.stderr)
+            engines.remove("llama.cpp")
+    cases = build_cases(args.kinds, args.batch8_kind or None)
+    workers = [Worker(engine) for engine in engines]
+    timings: dict[tuple[str, int, str], list[RunTiming]] = {}
+    try:
+        for round_index in range(args.rounds):
+            for kind, batch, prompts in cases:
+                shift = round_index % len(workers)
+                for worker in workers[shift:] + workers[:shift]:
+                    timing = worker.run(prompts, args.max_tokens)
+                    timings.setdefault((kind, batch, worker.engine), []).append(timing)
+                    print(f"round {round_index} {kind} b{batch} {worker.engine}: ttft {timing.ttft_s * 1e3:.0f} ms "
+                          f"decode {timing.decode_rate:.1f} tok/s", file=sys.stderr)
+    finally:
+        for worker in workers:
+            worker.close()
     rows = []
-    hf_rates: dict[torch.dtype, tuple[float, float]] = {}
-    for dtype_name in args.dtypes:
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int4": torch.bfloat16}[dtype_name]
-        if dtype not in hf_rates:
-            hf_rates[dtype] = measure_transformers(dtype, args.max_tokens, args.repeats)
-            gc.collect()
-        hf1, hf8 = hf_rates[dtype]
-        s1, s8 = measure_specd(dtype_name, args.max_tokens, args.repeats)
-        gc.collect()
-        rows.append([dtype_name, hf1, s1, s1 / hf1, hf8, s8, s8 / hf8, s8 / s1])
-        print(f"{dtype_name}: hf b1 {hf1:.1f}  specd b1 {s1:.1f}  hf b8 {hf8:.1f}  specd b8 {s8:.1f}", file=sys.stderr)
+    for kind, batch, prompts in cases:
+        peer = timings.get((kind, batch, "llama.cpp"))
+        for engine in engines:
+            runs = timings[(kind, batch, engine)]
+            decode = [t.decode_rate for t in runs]
+            ratio = "-"
+            if peer is not None:
+                ratio = f"{statistics.median(decode) / statistics.median([t.decode_rate for t in peer]):.2f}"
+            rows.append([kind, max(len(p) for p in prompts), batch, engine,
+                         spread([t.ttft_s * 1e3 for t in runs], 0), spread(decode),
+                         spread([t.e2e_rate for t in runs]), ratio])
     print(markdown_table(
-        ["dtype", "transformers b1 tok/s", "specd b1 tok/s", "specd/hf b1", "transformers b8 tok/s",
-         "specd b8 tok/s", "specd/hf b8", "specd b8/b1"],
+        ["prompt", "prompt tokens", "batch", "engine", "TTFT ms", "decode tok/s", "e2e tok/s", "decode vs llama.cpp"],
         rows,
     ))
+    if args.json:
+        args.json.write_text(json.dumps(
+            [{"kind": k, "batch": b, "engine": e, "runs": [t._asdict() for t in ts]}
+             for (k, b, e), ts in timings.items()],
+            indent=1,
+        ))
 
 
 if __name__ == "__main__":
