@@ -16,6 +16,9 @@ with the range beside it.
 - decode tok/s: tokens after the first ones / time after them (for batch 8: after the last sequence's first
   token, all sequences in lockstep).
 - e2e tok/s: every generated token / the whole request time.
+- CPU ms/token: the worker's CPU time per decode token (batch 8: per 8 tokens' step / 8). On a machine that
+  other jobs load, wall times move with the load while this moves far less; with --threads 1 neither engine
+  spin-waits, so it is the work each engine does per token.
 
 llama.cpp runs through llama-cpp-python's low-level bindings (`llama_decode` on a batch, greedy argmax over
 the logits in numpy), with one sequence per KV stream at batch 8, so both engines pay only their own step.
@@ -55,6 +58,11 @@ class RunTiming(NamedTuple):
     total_s: float  # request start -> last token
     num_tokens: int  # generated tokens, all sequences
     num_decode_tokens: int  # tokens emitted after first_all_s
+    decode_cpu_s: float  # the worker's CPU time (all its threads) after first_all_s
+
+    @property
+    def decode_cpu_ms_per_token(self) -> float:
+        return 1e3 * self.decode_cpu_s / max(self.num_decode_tokens, 1)
 
     @property
     def decode_rate(self) -> float:
@@ -71,6 +79,7 @@ class TokenClock:
     def __init__(self, num_seqs: int) -> None:
         self.start = time.perf_counter()
         self.first: list[float | None] = [None] * num_seqs
+        self.cpu_after_first = 0.0
         self.events: list[tuple[float, int]] = []  # (seconds since start, tokens emitted then)
 
     def emit(self, seq_index: int, num_tokens: int) -> None:
@@ -79,6 +88,7 @@ class TokenClock:
         now = time.perf_counter() - self.start
         if self.first[seq_index] is None:
             self.first[seq_index] = now
+            self.cpu_after_first = time.process_time()
         self.events.append((now, num_tokens))
 
     def result(self) -> RunTiming:
@@ -93,6 +103,7 @@ class TokenClock:
             total_s=total,
             num_tokens=sum(n for _, n in self.events),
             num_decode_tokens=sum(n for t, n in self.events if t > first_all),
+            decode_cpu_s=time.process_time() - self.cpu_after_first,
         )
 
 
@@ -101,11 +112,11 @@ class Runner(Protocol):
 
 
 class SpecdRunner:
-    def __init__(self, dtype: str) -> None:
+    def __init__(self, dtype: str, threads: int | None) -> None:
         from specd.llm import LLM
 
         kwargs: dict[str, Any] = {} if dtype == "default" else {"dtype": dtype}
-        self.llm = LLM("default", max_num_seqs=8, **kwargs)
+        self.llm = LLM("default", max_num_seqs=8, num_threads=threads, **kwargs)
 
     def run(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> RunTiming:
         from specd.sampling.params import SamplingParams
@@ -124,7 +135,7 @@ class SpecdRunner:
 class LlamaCppRunner:
     """llama.cpp's own decode loop, driven from Python: one `llama_decode` per step for the whole batch."""
 
-    def __init__(self, n_ctx_per_seq: int = 2048, max_batch: int = 8) -> None:
+    def __init__(self, threads: int | None, n_ctx_per_seq: int = 2048, max_batch: int = 8) -> None:
         import llama_cpp
         import numpy as np
 
@@ -135,7 +146,7 @@ class LlamaCppRunner:
         )
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
         self.n_batch = 512
-        threads = os.cpu_count() or 1
+        threads = threads or os.cpu_count() or 1
         self.contexts = {}
         for num_seqs in (1, max_batch):  # batch 1 gets a context of its own, sized like any single-user run
             params = llama_cpp.llama_context_default_params()
@@ -183,12 +194,14 @@ class LlamaCppRunner:
 class TransformersRunner:
     """transformers `generate` on the same GGUF; a streamer timestamps every step."""
 
-    def __init__(self, dtype: str) -> None:
+    def __init__(self, dtype: str, threads: int | None) -> None:
         import torch
 
         from common import load_transformers
 
         self.torch = torch
+        if threads:
+            torch.set_num_threads(threads)
         self.model, self.tokenizer = load_transformers(getattr(torch, dtype))
 
     def run(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> RunTiming:
@@ -223,20 +236,20 @@ class TransformersRunner:
         return clock.result()
 
 
-def make_runner(engine: str) -> Runner:
+def make_runner(engine: str, threads: int | None) -> Runner:
     name, _, option = engine.partition(":")
     if name == "specd":
-        return SpecdRunner(option or "default")
+        return SpecdRunner(option or "default", threads)
     if name == "llama.cpp":
-        return LlamaCppRunner()
+        return LlamaCppRunner(threads)
     if name == "transformers":
-        return TransformersRunner(option or "bfloat16")
+        return TransformersRunner(option or "bfloat16", threads)
     raise SystemExit(f"--engines: unknown engine {engine!r} (specd[:dtype], llama.cpp, transformers[:dtype])")
 
 
-def serve_worker(engine: str) -> None:
+def serve_worker(engine: str, threads: int | None) -> None:
     """Worker process: load one engine, then answer one JSON request per stdin line on stdout."""
-    runner = make_runner(engine)
+    runner = make_runner(engine, threads)
     runner.run([[1, 2, 3]], 4)  # warm-up: first-call allocations and lazy initialisation
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
@@ -246,10 +259,11 @@ def serve_worker(engine: str) -> None:
 
 
 class Worker:
-    def __init__(self, engine: str) -> None:
+    def __init__(self, engine: str, threads: int | None) -> None:
         self.engine = engine
+        thread_args = ["--threads", str(threads)] if threads else []
         self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--worker", engine], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            [sys.executable, __file__, "--worker", engine, *thread_args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             text=True, env=os.environ.copy(),
         )
         self._read()
@@ -307,11 +321,12 @@ def main() -> None:
     ap.add_argument("--batch8-kind", default="rewrite", help="kind of the batch-8 case ('' to skip it)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, help="threads of every engine (default: each engine's own choice)")
     ap.add_argument("--json", type=Path, help="also write every run's timings here")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        serve_worker(args.worker)
+        serve_worker(args.worker, args.threads)
         return
     engines = list(args.engines)
     if "llama.cpp" in engines:
@@ -322,7 +337,7 @@ def main() -> None:
                   file=sys.stderr)
             engines.remove("llama.cpp")
     cases = build_cases(args.kinds, args.batch8_kind or None)
-    workers = [Worker(engine) for engine in engines]
+    workers = [Worker(engine, args.threads) for engine in engines]
     timings: dict[tuple[str, int, str], list[RunTiming]] = {}
     try:
         for round_index in range(args.rounds):
@@ -347,9 +362,11 @@ def main() -> None:
                 ratio = f"{statistics.median(decode) / statistics.median([t.decode_rate for t in peer]):.2f}"
             rows.append([kind, max(len(p) for p in prompts), batch, engine,
                          spread([t.ttft_s * 1e3 for t in runs], 0), spread(decode),
-                         spread([t.e2e_rate for t in runs]), ratio])
+                         spread([t.e2e_rate for t in runs]), ratio,
+                         spread([t.decode_cpu_ms_per_token for t in runs], 2)])
     print(markdown_table(
-        ["prompt", "prompt tokens", "batch", "engine", "TTFT ms", "decode tok/s", "e2e tok/s", "decode vs llama.cpp"],
+        ["prompt", "prompt tokens", "batch", "engine", "TTFT ms", "decode tok/s", "e2e tok/s", "decode vs llama.cpp",
+         "CPU ms/token"],
         rows,
     ))
     if args.json:

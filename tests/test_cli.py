@@ -158,3 +158,15 @@ def test_generate_chat_stats_trace_and_log_then_stats(capsys, caplog, tmp_path: 
     assert sum(line["accepted"] for line in lines) == printed["accepted_tokens"]
     assert sum(line["emitted"] for line in lines) == printed["emitted_tokens"]
     assert sum(line["nonspec_tokens"] for line in lines) == printed["nonspec_tokens"]
+
+
+def test_the_cli_default_dtype_is_the_engine_default_the_fast_mode() -> None:
+    import argparse
+
+    from specd.config import EngineConfig
+
+    parser = argparse.ArgumentParser()
+    cli.add_engine_arguments(parser)
+    args = parser.parse_args([])
+    assert args.dtype == EngineConfig().dtype == "int4"
+    assert cli.engine_config_from_args(parser.parse_args(["--dtype", "float32"])).dtype == "float32"

@@ -13,8 +13,9 @@ from specd.speculation.ngram import check_match_lengths
 from specd.speculation.policies import K_POLICIES
 from specd.speculation.registry import PROPOSERS, k_policy_unsupported, supporting_methods
 
-# "int4": weight-only int4 (group 32) for decode-sized matmuls, bfloat16 activations and dense fallback.
-# "float64": exact reference runs (tests).
+# "int4" (the default, the fastest on CPU): weight-only int4 (group 32) projections and an int8 LM head, bfloat16
+# activations. "float32" is the exact mode (greedy speculation token-identical to plain decoding);
+# "float64" is for tests.
 DType = Literal["float32", "bfloat16", "int4", "float64"]
 DTYPES: dict[str, torch.dtype] = dict(
     zip(get_args(DType), (torch.float32, torch.bfloat16, torch.bfloat16, torch.float64), strict=True)
@@ -115,7 +116,7 @@ class EngineConfig:
     """
 
     model: str = "default"
-    dtype: DType = "float32"
+    dtype: DType = "int4"
     max_num_seqs: int = 8
     max_model_len: int = 2048
     max_num_batched_tokens: int = 512

@@ -34,7 +34,8 @@ def hf_model():
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM("default", max_num_seqs=4, max_model_len=512)
+    # float32: the exact mode, held to transformers' float32 output token for token
+    return LLM("default", dtype="float32", max_num_seqs=4, max_model_len=512)
 
 
 def _prompt_ids(llm, messages):
@@ -53,10 +54,22 @@ def test_greedy_matches_transformers_on_same_gguf(llm, hf_model):
 
 
 def test_ngram_heuristic_is_lossless_on_the_default_model(llm):
-    spec_llm = LLM("default", max_num_seqs=4, max_model_len=512,
+    spec_llm = LLM("default", dtype="float32", max_num_seqs=4, max_model_len=512,
                    speculation=SpeculationConfig(method="ngram", num_speculative_tokens=4, k_policy="heuristic"))
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     plain = [o.outputs[0].token_ids for o in llm.chat(MESSAGES, params)]
     spec = spec_llm.chat(MESSAGES, params)
     assert [o.outputs[0].token_ids for o in spec] == plain
     assert spec_llm.get_metrics()["counters"]["drafts"] > 0
+
+
+def test_the_default_mode_is_int4_with_an_int8_head_and_answers_like_float32(llm):
+    fast = LLM("default", max_num_seqs=4, max_model_len=512)
+    assert fast.config.dtype == "int4"
+    assert fast.model.layers[0].qkv_proj.int4 is not None
+    assert fast.model.tied_head is not None and fast.model.tied_head.int8 is not None
+    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+    fast_out = fast.chat(MESSAGES[:1], params)[0].outputs[0].text
+    assert "Paris" in fast_out
+    # Not token-identical to float32 (different weights' rounding), but the same answer to a plain question.
+    assert fast_out.split(".")[0] == llm.chat(MESSAGES[:1], params)[0].outputs[0].text.split(".")[0]

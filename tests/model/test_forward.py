@@ -259,3 +259,86 @@ def test_hidden_states_are_the_reference_hidden_states_of_every_new_token():
     assert ours.forward_with_hidden(batch, cache).hidden_states is None
     with pytest.raises(ValueError, match="hidden_layers"):
         ours.forward_with_hidden(batch, cache, hidden_layers=(num_layers,))
+
+
+def test_keys_and_values_share_one_tensor_per_layer_and_survive_growth():
+    from specd.model.attention import AttentionMetadata, write_kv
+
+    cache = KVCache(2, 3, 4, max_slots=4, max_len=64, dtype=torch.float32, grow_step=8)
+    slots = [cache.allocate(), cache.allocate()]
+    cache.reserve(5)
+    batch = ForwardBatch.build([[7, 8], [9]], slots, [3, 4], [[1], [0]])
+    key_value = torch.randn(3, 2, 3, 4)  # [num_tokens, keys/values, num_kv_heads, head_dim]
+    write_kv(key_value, cache, 1, AttentionMetadata.build(batch))
+    for token, (slot, pos) in enumerate([(slots[0], 3), (slots[0], 4), (slots[1], 4)]):
+        assert torch.equal(cache.keys[1][slot, :, pos], key_value[token, 0])
+        assert torch.equal(cache.values[1][slot, :, pos], key_value[token, 1])
+    assert cache.keys[1].data_ptr() == cache.kv[1].data_ptr()  # a view, not a copy
+    cache.reserve(20)  # grows capacity: the views must follow the new tensor, contents kept
+    cache.allocate()
+    assert cache.keys[1].shape == (4, 3, 24, 4) and cache.keys[1].data_ptr() == cache.kv[1].data_ptr()
+    assert torch.equal(cache.values[1][slots[1], :, 4], key_value[2, 1])
+    assert cache.bytes_allocated() == 2 * 2 * 4 * 3 * 24 * 4 * 4
+
+
+def test_rotary_tables_carry_the_softmax_scale_on_query_heads_only():
+    from specd.model.llama import Rotary
+
+    arch = ModelArchConfig.from_hf_dict(tiny_hf_config_dict())
+    rotary = Rotary(arch, 32)
+    cos, sin_signed = rotary.tables(torch.tensor([0, 5]), torch.float64)
+    assert cos.shape == (2, arch.num_heads + arch.num_kv_heads, arch.head_dim)
+    scale = arch.head_dim**-0.5
+    torch.testing.assert_close(cos[:, : arch.num_heads], rotary.cos[[0, 5]].double().unsqueeze(1).expand(
+        2, arch.num_heads, -1) * scale)
+    torch.testing.assert_close(sin_signed[:, arch.num_heads :], rotary.sin_signed[[0, 5]].double().unsqueeze(1).expand(
+        2, arch.num_kv_heads, -1))
+
+
+def test_int8_quantization_recovers_weights_on_an_int8_grid():
+    from specd.model.llama import quantize_int8
+
+    torch.manual_seed(6)
+    scales = torch.rand(40) + 0.5
+    codes = torch.randint(-127, 128, (40, 64)).float()
+    codes[:, 0] = 127  # every row reaches the grid's end, so its scale is recovered exactly
+    weight = codes * scales.unsqueeze(1)
+    q, got_scales = quantize_int8(weight)
+    assert q.dtype == torch.int8 and torch.equal(q.float(), codes)
+    recovered = torch.ops.aten._weight_int8pack_mm(torch.eye(64), q, got_scales).t()  # the kernel reads it back
+    torch.testing.assert_close(recovered, weight, rtol=1e-6, atol=1e-6)
+
+
+def test_int4_mode_quantized_rows_do_not_depend_on_how_many_rows_share_the_matmul():
+    cfg = tiny_hf_config_dict()
+    hf = tiny_hf_model(cfg)
+    sd = {k: (_snap_to_int4_grid(v) if v.dim() == 2 and "embed" not in k else v).detach().clone()
+          for k, v in hf.state_dict().items()}
+    arch = ModelArchConfig.from_hf_dict(cfg)
+    quant = build_model(arch, sd, torch.bfloat16, int4=True)
+    head = quant.lm_head if quant.lm_head is not None else quant.tied_head
+    assert head is not None and head.int8 is not None and head.int4 is None
+    proj = quant.layers[0].gate_up_proj
+    assert proj.int4 is not None and proj.weight is None  # the int4 copy replaced the dense weight
+    # hf_weight dequantizes: the Q4 grid comes back up to bfloat16 rounding
+    grid = sd["model.layers.0.mlp.gate_proj.weight"]
+    torch.testing.assert_close(proj.hf_weight[: grid.shape[0]].float(), grid, rtol=1e-2, atol=1e-2)
+    hidden = torch.randn(40, arch.hidden_size).to(torch.bfloat16)
+    # One row alone equals the same row among 40 (prefill- and verification-sized), for both kernels: a token's
+    # logits cannot depend on the batch it was verified in.
+    assert torch.equal(head(hidden[:1]), head(hidden)[:1])
+    assert torch.equal(proj(hidden[:1]), proj(hidden)[:1])
+    dense = hidden.float() @ quant.lm_head_weight.float().t()  # [40, vocab]
+    assert (quant.compute_logits(hidden) - dense).abs().max() < 0.02 * dense.abs().max()
+
+
+def test_int4_skips_shapes_the_kernel_cannot_tile():
+    from specd.model.llama import Linear
+
+    odd = Linear(40, 16, bias=False)  # 40 inputs: not a whole number of 32-wide groups
+    odd.add_int4()
+    assert odd.int4 is None
+    ok = Linear(64, 16, bias=False)
+    torch.nn.init.normal_(ok.hf_weight)
+    ok.add_int4()
+    assert ok.int4 is not None

@@ -123,41 +123,50 @@ GROUPED_MAX_NEW = 32
 
 
 def _grouped_attention(
-    q: torch.Tensor,  # [num_seqs, num_heads, max_new, head_dim]
-    keys: torch.Tensor,  # [num_seqs, num_kv_heads, kv_len, head_dim]
+    q: torch.Tensor,  # [num_seqs, num_heads, max_new, head_dim], already multiplied by the softmax scale
+    keys: torch.Tensor,  # [num_seqs, num_kv_heads, kv_len, head_dim], slot-major (slots and heads merge as a view)
     values: torch.Tensor,  # [num_seqs, num_kv_heads, kv_len, head_dim]
     additive_mask: torch.Tensor | None,  # [num_seqs, 1, 1, max_new, kv_len] float32
 ) -> torch.Tensor:  # [num_seqs, max_new, num_heads, head_dim]
     num_seqs, num_heads, max_new, head_dim = q.shape
     num_kv_heads, kv_len = keys.shape[1], keys.shape[2]
     group = num_heads // num_kv_heads
-    # Head h reads KV head h // group (the repeat_kv convention), so heads are grouped contiguously.
-    qg = q.reshape(num_seqs, num_kv_heads, group * max_new, head_dim)
-    scores = torch.matmul(qg, keys.transpose(-1, -2))  # [num_seqs, num_kv_heads, group * max_new, kv_len]
-    scores = scores.view(num_seqs, num_kv_heads, group, max_new, kv_len)
+    batch, rows = num_seqs * num_kv_heads, group * max_new
+    # Head h reads KV head h // group (the repeat_kv convention), so heads are grouped contiguously. Plain bmm
+    # on 3-d views: matmul on 4-d operands costs several more dispatches per call, paid 2 x num_layers per step.
+    qg = q.reshape(batch, rows, head_dim)
+    scores = torch.bmm(qg, keys.reshape(batch, kv_len, head_dim).transpose(1, 2))  # [batch, rows, kv_len]
     if additive_mask is not None:
-        # mask + scale * scores in one op; the float32 mask makes the sum (and the softmax) at least float32.
-        scores = torch.add(additive_mask, scores, alpha=head_dim**-0.5)
+        # The float32 mask makes the sum (and the softmax) at least float32.
+        masked = torch.add(additive_mask, scores.view(num_seqs, num_kv_heads, group, max_new, kv_len))
+        probs = torch.softmax(masked, dim=-1)
     else:
-        scores = scores.to(torch.promote_types(scores.dtype, torch.float32)).mul_(head_dim**-0.5)
-    probs = torch.softmax(scores, dim=-1).to(values.dtype).view(num_seqs, num_kv_heads, group * max_new, kv_len)
-    out = torch.matmul(probs, values)  # [num_seqs, num_kv_heads, group * max_new, head_dim]
+        probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
+    out = torch.bmm(probs.to(values.dtype).view(batch, rows, kv_len), values.reshape(batch, kv_len, head_dim))
     return out.view(num_seqs, num_heads, max_new, head_dim).transpose(1, 2)
 
 
-def paged_attention(
-    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+def write_kv(
+    key_value: torch.Tensor,  # [num_tokens, 2, num_kv_heads, head_dim]: each new token's keys, then its values
     cache: KVCache,
     layer: int,
     meta: AttentionMetadata,
+) -> None:
+    """Store the new tokens' keys and values at their slots and positions: one indexed copy per layer."""
+    cache.kv[layer][:, meta.write_slots, :, meta.write_positions] = key_value
+
+
+def attend(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    cache: KVCache,
+    layer: int,
+    meta: AttentionMetadata,
+    scale: float | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
-    """Write the new keys/values into the cache, then attend over each sequence's cached prefix."""
+    """Attention of the new tokens over each sequence's cached prefix, their own keys included (so `write_kv`
+    comes first). scale: the softmax scale, head_dim ** -0.5 when None; 1.0 for queries already scaled."""
     k_cache = cache.keys[layer]  # [num_slots, num_kv_heads, capacity, head_dim]
     v_cache = cache.values[layer]
-    k_cache[meta.write_slots, :, meta.write_positions] = key
-    v_cache[meta.write_slots, :, meta.write_positions] = value
     if meta.slot_range is not None:
         lo, hi = meta.slot_range
         keys = k_cache[lo:hi, :, : meta.kv_len]  # [num_seqs, num_kv_heads, kv_len, head_dim] (view)
@@ -166,6 +175,10 @@ def paged_attention(
         keys = k_cache.index_select(0, meta.slot_index)[:, :, : meta.kv_len]
         values = v_cache.index_select(0, meta.slot_index)[:, :, : meta.kv_len]
     _, num_heads, head_dim = query.shape
+    if scale is not None and scale != 1.0:
+        query = query * scale
+    elif scale is None:
+        query = query * head_dim**-0.5
     num_seqs = meta.slot_index.shape[0]
     if meta.pad_index is None:
         q = query.view(num_seqs, meta.max_new, num_heads, head_dim).transpose(1, 2)
@@ -178,8 +191,22 @@ def paged_attention(
         out = _grouped_attention(q, keys, values, meta.additive_mask)  # [num_seqs, max_new, num_heads, head_dim]
         out = out.reshape(num_seqs * meta.max_new, num_heads * head_dim)
     else:
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=meta.mask, enable_gqa=True)
+        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=meta.mask, enable_gqa=True, scale=1.0)
         out = out.transpose(1, 2).reshape(num_seqs * meta.max_new, num_heads * head_dim)
     if meta.pad_index is not None:
         out = out[meta.pad_index]
     return out
+
+
+def paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    value: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
+    cache: KVCache,
+    layer: int,
+    meta: AttentionMetadata,
+) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
+    """Write the new keys/values into the cache, then attend over each sequence's cached prefix (queries not
+    yet scaled). The decoder layer calls `write_kv` and `attend` itself, on its projection's buffer."""
+    write_kv(torch.stack([key, value], dim=1), cache, layer, meta)
+    return attend(query, cache, layer, meta)

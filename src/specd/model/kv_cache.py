@@ -2,10 +2,13 @@
 
 Design (chosen for CPU decoding, where copying KV is as expensive as reading weights):
 
-* Layer l stores keys and values as `[num_slots, num_kv_heads, capacity, head_dim]`. A running sequence owns
-  one slot; token t of it lives at `[slot, :, t]`. When the scheduler keeps the batch's slots contiguous (it
-  assigns the lowest free slot and orders the batch by slot), attention reads a *view* of the cache: no
-  gather, no copy.
+* Layer l stores keys and values in one tensor `kv[l]`: `[2, num_slots, num_kv_heads, capacity, head_dim]`;
+  `keys[l]` = `kv[l][0]` and `values[l]` = `kv[l][1]` are `[num_slots, num_kv_heads, capacity, head_dim]`
+  views. One tensor lets a forward write a token's keys and values with one indexed copy (the projection emits
+  them side by side), and each half stays a plain slot-major tensor whose slot ranges are views. A running
+  sequence owns one slot; token t of it lives at `[slot, :, t]` of each half. When the scheduler keeps the
+  batch's slots contiguous (it assigns the lowest free slot and orders the batch by slot), attention reads a
+  *view* of the cache: no gather, no copy.
 * Memory grows with use: both `num_slots` (up to `max_slots`) and `capacity` (up to `max_len`, in steps of
   `grow_step` tokens) start small and are enlarged, by reallocating and copying once, only when a sequence
   actually needs more. Growth is amortised (geometric in slots, chunked in length). `budget_tokens` caps the
@@ -57,8 +60,9 @@ class KVCache:
         self.budget_tokens = budget_tokens if budget_tokens is not None else max_slots * max_len
         self.num_slots = 0
         self.capacity = 0
-        self.keys: list[torch.Tensor] = []  # per layer [num_slots, num_kv_heads, capacity, head_dim]
-        self.values: list[torch.Tensor] = []  # per layer [num_slots, num_kv_heads, capacity, head_dim]
+        self.kv: list[torch.Tensor] = []  # per layer [2, num_slots, num_kv_heads, capacity, head_dim]
+        self.keys: list[torch.Tensor] = []  # per layer [num_slots, num_kv_heads, capacity, head_dim] (view of kv)
+        self.values: list[torch.Tensor] = []  # per layer [num_slots, num_kv_heads, capacity, head_dim] (view of kv)
         self.seq_lens: list[int] = []  # committed tokens per slot
         self._free: list[int] = []
         self._used: set[int] = set()
@@ -109,23 +113,24 @@ class KVCache:
         self.seq_lens[slot] = length
 
     def bytes_allocated(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+        return sum(t.numel() * t.element_size() for t in self.kv)
 
     def _grow(self, num_slots: int, capacity: int) -> None:
         if num_slots * capacity > self.budget_tokens and capacity > 0:
             raise KVCacheFullError(
                 f"KV cache of {num_slots} slots x {capacity} tokens exceeds budget_tokens={self.budget_tokens}"
             )
-        shape = (num_slots, self.num_kv_heads, capacity, self.head_dim)
+        shape = (2, num_slots, self.num_kv_heads, capacity, self.head_dim)
         for layer in range(self.num_layers):
-            for store in (self.keys, self.values):
-                new = torch.zeros(shape, dtype=self.dtype, device=self.device)
-                if layer < len(store):
-                    old = store[layer]
-                    new[: old.shape[0], :, : old.shape[2]] = old
-                    store[layer] = new
-                else:
-                    store.append(new)
+            new = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            if layer < len(self.kv):
+                old = self.kv[layer]
+                new[:, : old.shape[1], :, : old.shape[3]] = old
+                self.kv[layer] = new
+            else:
+                self.kv.append(new)
+        self.keys = [kv[0] for kv in self.kv]
+        self.values = [kv[1] for kv in self.kv]
         self._free.extend(range(self.num_slots, num_slots))
         self.seq_lens.extend([0] * (num_slots - self.num_slots))
         self.num_slots = num_slots

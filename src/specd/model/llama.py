@@ -18,14 +18,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from specd.errors import ModelLoadError
-from specd.model.attention import AttentionMetadata, ForwardBatch, paged_attention
+from specd.model.attention import AttentionMetadata, ForwardBatch, attend, write_kv
 from specd.model.config import ModelArchConfig, RopeScaling
 from specd.model.kv_cache import KVCache
 
 INT4_GROUP = 32
-# Above ~12 rows the int4 kernel (it dequantizes per row block) is no faster than the dense bfloat16 GEMM
-# (measured on a 2-core AVX-512 CPU: 5x faster at 1 row, 1.7x at 8, even at 16).
-INT4_MAX_ROWS = 12
 
 
 def quantize_int4(
@@ -45,6 +42,21 @@ def quantize_int4(
     zeros = low + 8 * scale
     scales_and_zeros = torch.stack([scale.squeeze(-1).t(), zeros.squeeze(-1).t()], dim=-1).contiguous()
     return packed, scales_and_zeros
+
+
+def quantize_int8(
+    weight: torch.Tensor,  # [out, in] float
+) -> tuple[torch.Tensor, torch.Tensor]:  # int8 [out, in], float32 scales [out]
+    """Symmetric int8 per output row: w = scale * q, q in -127..127 (the layout `_weight_int8pack_mm` reads).
+
+    For the LM head: on the default model it is a GGUF Q8_0 matrix (int8 per block of 32), so this rounding is
+    a second, per-row one; its logits stay about as close to float32 as a bfloat16 head's, where an int4 head
+    flips the top-1 token on ~12% of positions (measured on the benchmark prompts).
+    """
+    w = weight.float()
+    scales = (w.abs().amax(dim=1) / 127).clamp_min(1e-10)  # [out]
+    q = (w / scales.unsqueeze(1)).round_().clamp_(-127, 127).to(torch.int8)
+    return q, scales
 
 
 def mkldnn_pack(weight: torch.Tensor) -> torch.Tensor | None:  # [out, in] -> opaque blocked copy, or None
@@ -68,9 +80,12 @@ class Linear(nn.Module):
 
     `pack()` (after loading and casting) replaces a float32/bfloat16 weight by oneDNN's pre-blocked copy (see
     `mkldnn_pack`); float64 (tests) keeps the dense weight. `hf_weight` gives the dense [out, in] weight either
-    way. `add_int4()` (for bfloat16 models) adds an int4 copy used for up to INT4_MAX_ROWS rows (decode and
-    short verification), where reading 4-bit weights makes the memory-bound GEMM several times faster; larger
-    batches and prefill use the bfloat16 weight.
+    way. `add_int4()` (for bfloat16 models) replaces the weight by an int4 copy; `add_int8()` adds an int8
+    copy beside it (the tied LM head, whose dense table the embedding lookup still reads). A quantized copy
+    serves every row count, prefill included: the kernels compute each row independently of the others, so a
+    token's logits do not depend on how many rows share its forward -- what keeps speculation lossless against
+    plain decoding in this mode. (On the 2-core AVX2 development CPU the int4 kernel is also 1.7-3.5x faster
+    than the dense bfloat16 GEMM from 1 to 256 rows, and int8 1.1-2.9x from 1 to 40.)
     """
 
     weight: nn.Parameter | None
@@ -81,19 +96,31 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
         self.packed: torch.Tensor | None = None
         self.int4: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.int8: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def sharing(cls, weight: nn.Parameter) -> Linear:
         """A bias-free Linear over an existing [out, in] weight (the tied LM head reads the embedding table)."""
         linear = cls.__new__(cls)
         nn.Module.__init__(linear)
-        linear.weight, linear.bias, linear.packed, linear.int4 = weight, None, None, None
+        linear.weight, linear.bias, linear.packed, linear.int4, linear.int8 = weight, None, None, None, None
         return linear
 
     def add_int4(self) -> None:
-        """Quantize the current (ideally float32) weight into the int4 copy; its scales are bfloat16."""
+        """Quantize the current (ideally float32) weight into the int4 copy, which replaces it; its scales are
+        bfloat16. A shape the int4 kernel cannot tile (inputs not a multiple of 32 or outputs of 16) keeps the
+        dense weight."""
+        out_features, in_features = self.hf_weight.shape
+        if in_features % INT4_GROUP or out_features % 16:
+            return
         packed, scales_and_zeros = quantize_int4(self.hf_weight.detach())
         self.int4 = (packed, scales_and_zeros.to(torch.bfloat16))
+        self.weight = None
+
+    def add_int8(self) -> None:
+        """Quantize the current (ideally float32) weight into the int8 copy; its scales are bfloat16."""
+        q, scales = quantize_int8(self.hf_weight.detach())
+        self.int8 = (q, scales.to(torch.bfloat16))
 
     def pack(self) -> None:
         if self.packed is not None or self.weight is None:
@@ -103,15 +130,22 @@ class Linear(nn.Module):
             self.weight = None  # the blocked copy replaces it: no second copy of the weights in memory
 
     @property
-    def hf_weight(self) -> torch.Tensor:  # [out_features, in_features]; once packed, a read-only dense copy
+    def hf_weight(self) -> torch.Tensor:  # [out_features, in_features]; once packed or int4, a read-only dense copy
         if self.weight is not None:
             return self.weight
+        if self.int4 is not None:  # the identity through the kernel reads the dequantized weight back
+            packed, scales_and_zeros = self.int4
+            eye = torch.eye(packed.shape[1] * 2, dtype=scales_and_zeros.dtype)
+            return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, packed, INT4_GROUP, scales_and_zeros).t()
         assert self.packed is not None
         return self.packed.to_dense()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in] -> [num_tokens, out]
-        if self.int4 is not None and x.shape[0] <= INT4_MAX_ROWS:
+        if self.int4 is not None:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.int4[0], INT4_GROUP, self.int4[1])
+            return y if self.bias is None else y + self.bias
+        if self.int8 is not None:
+            y = torch.ops.aten._weight_int8pack_mm(x, self.int8[0], self.int8[1])
             return y if self.bias is None else y + self.bias
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -158,7 +192,8 @@ class Rotary(nn.Module):
     """Precomputed cos/sin tables indexed by absolute position (rotate-half convention).
 
     The sine table has the rotate-half sign folded in, so rotating is `x * cos + roll(x, d/2) * sin_signed`:
-    three elementwise ops, applied once to the q and k heads together.
+    three elementwise ops, applied once to the q and k heads together. The tables a forward uses carry the
+    attention's softmax scale on the query heads' rows, so scaling the queries costs no op of its own.
     """
 
     def __init__(self, config: ModelArchConfig, max_positions: int) -> None:
@@ -168,20 +203,29 @@ class Rotary(nn.Module):
         freqs = torch.outer(t, inv_freq)  # [max_positions, head_dim // 2]
         self.register_buffer("cos", torch.cat([freqs.cos(), freqs.cos()], dim=-1), persistent=False)
         self.register_buffer("sin_signed", torch.cat([-freqs.sin(), freqs.sin()], dim=-1), persistent=False)
+        self.num_heads, self.num_kv_heads = config.num_heads, config.num_kv_heads
+        self.query_scale = config.head_dim**-0.5
 
     def tables(
         self, positions: torch.Tensor, dtype: torch.dtype  # [num_tokens]
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # 2 x [num_tokens, 1, head_dim]
-        """Computed once per forward and shared by all layers."""
-        return self.cos[positions].unsqueeze(1).to(dtype), self.sin_signed[positions].unsqueeze(1).to(dtype)
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # 2 x [num_tokens, num_heads + num_kv_heads, head_dim]
+        """Computed once per forward and shared by all layers. Rows of the query heads are multiplied by
+        head_dim ** -0.5 (exact when head_dim is a power of 4), the key heads' rows are not."""
+        work = torch.promote_types(dtype, torch.float32)  # scale before rounding to a narrow dtype
+        head_scale = torch.ones(self.num_heads + self.num_kv_heads, 1, dtype=work)  # [heads, 1]
+        head_scale[: self.num_heads] = self.query_scale
+        cos = self.cos[positions].to(work).unsqueeze(1) * head_scale  # [num_tokens, heads, head_dim]
+        sin_signed = self.sin_signed[positions].to(work).unsqueeze(1) * head_scale
+        return cos.to(dtype), sin_signed.to(dtype)
 
 
 def apply_rotary(
     x: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-    cos: torch.Tensor,  # [num_tokens, 1, head_dim]
-    sin_signed: torch.Tensor,  # [num_tokens, 1, head_dim]
+    cos: torch.Tensor,  # [num_tokens, num_heads or 1, head_dim]
+    sin_signed: torch.Tensor,  # [num_tokens, num_heads or 1, head_dim]
+    out: torch.Tensor | None = None,  # [num_tokens, num_heads, head_dim]; may be x itself (rotate in place)
 ) -> torch.Tensor:
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin_signed)
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), sin_signed, out=out)
 
 
 class DecoderLayer(nn.Module):
@@ -205,19 +249,22 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         hidden: torch.Tensor,  # [num_tokens, hidden_size]
-        rope: tuple[torch.Tensor, torch.Tensor],  # cos, sin_signed: [num_tokens, 1, head_dim]
+        rope: tuple[torch.Tensor, torch.Tensor],  # Rotary.tables: [num_tokens, num_heads + num_kv_heads, head_dim]
         cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
-        num_tokens = hidden.shape[0]
+        num_tokens, num_qk_heads = hidden.shape[0], self.num_heads + self.num_kv_heads
         qkv = self.qkv_proj(self.input_layernorm(hidden))  # [num_tokens, q_size + 2 * kv_size]
-        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
-        qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+        heads = qkv.view(num_tokens, num_qk_heads + self.num_kv_heads, self.head_dim)  # q heads, k heads, v heads
+        qk = heads[:, :num_qk_heads]
         if self.q_norm is not None and self.k_norm is not None:
             qk = torch.cat([self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])], dim=1)
-        qk = apply_rotary(qk, *rope)  # [num_tokens, num_heads + num_kv_heads, head_dim]
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        attn = paged_attention(q, k, v, cache, self.index, meta)  # [num_tokens, q_size]
+        # Rotated (and, for queries, scaled) back into the projection's buffer, so each token's keys and values
+        # stay side by side and reach the cache in one copy.
+        apply_rotary(qk, *rope, out=heads[:, :num_qk_heads])
+        write_kv(heads[:, self.num_heads :].view(num_tokens, 2, self.num_kv_heads, self.head_dim),
+                 cache, self.index, meta)
+        attn = attend(heads[:, : self.num_heads], cache, self.index, meta, scale=1.0)  # [num_tokens, q_size]
         hidden = hidden + self.o_proj(attn)
         gate, up = self.gate_up_proj(self.post_attention_layernorm(hidden)).chunk(2, dim=-1)
         return hidden + self.down_proj(F.silu(gate) * up)
@@ -385,9 +432,10 @@ def build_model(
 ) -> LlamaForCausalLM:
     """Build with `state_dict`'s HF-named weights (random init only when None), cast to dtype, pack.
 
-    int4: the decoder layers' projections also get int4 copies, quantized from the weights before the cast
-    (a Q4_1 GGUF's 4-bit codes are recovered exactly; group scales are kept in bfloat16, like the activations,
-    which the int4 kernel requires).
+    int4: the decoder layers' projections are replaced by int4 copies, quantized from the weights before the
+    cast (a Q4_1 GGUF's 4-bit codes are recovered exactly; group scales are kept in bfloat16, like the
+    activations, which the int4 kernel requires), and the LM head gets an int8 copy (per-row scales): in
+    bfloat16 the head alone was as many bytes per decode step as all int4 layers together.
     """
     if int4 and dtype != torch.bfloat16:
         raise ModelLoadError("dtype: int4 weights run with bfloat16 activations")
@@ -403,6 +451,10 @@ def build_model(
         for module in model.layers.modules():
             if isinstance(module, Linear):
                 module.add_int4()
+        head = model.lm_head
+        if head is None:
+            head = model.tied_head = Linear.sharing(model.embed_tokens.weight)
+        head.add_int8()
     model = model.to(dtype).eval()
     model.pack()
     return model
