@@ -14,7 +14,10 @@ summed by category (a nested op's time counts once, in the op that spent it):
 - Python/gaps: the profiled step time not inside any op -- interpreter time between ops.
 
 The profiler adds ~1-2 us per op, so the shares are of the profiled step; small ops look a little dearer
-than they are. `ops/step` counts top-level operator calls: each one pays the dispatch cost.
+than they are. `ops/step` counts top-level operator calls: each one pays the dispatch cost. `CPU ms` is the
+process CPU time of a step: on a machine other jobs share it moves far less than wall time, so with
+OMP_NUM_THREADS=1 it is the figure to compare two versions of the code by (with more threads it includes
+OpenMP's spin-waiting).
 """
 
 from __future__ import annotations
@@ -87,10 +90,12 @@ def profile_dtype(dtype_name: str, context: int, steps: int) -> list[object]:
     for _ in range(5):  # warm-up
         decode_step(model, cache, slot, position)
     wall: list[float] = []
+    cpu: list[float] = []
     for _ in range(steps):  # every step rewrites the same position: the context length stays fixed
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         decode_step(model, cache, slot, position)
         wall.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         t0 = time.perf_counter()
         for _ in range(steps):
@@ -102,7 +107,7 @@ def profile_dtype(dtype_name: str, context: int, steps: int) -> list[object]:
             per_category[category(event.key)] += event.self_cpu_time_total / 1e6 / steps
     top_level = sum(1 for e in prof.events() if e.cpu_parent is None and e.name.startswith(("aten::", "mkldnn::")))
     gaps = max(0.0, profiled - sum(per_category.values()))
-    row: list[object] = [dtype_name, statistics.median(wall) * 1e3, profiled * 1e3]
+    row: list[object] = [dtype_name, statistics.median(wall) * 1e3, statistics.median(cpu) * 1e3, profiled * 1e3]
     row += [f"{per_category[c] * 1e3:.2f} ({100 * per_category[c] / profiled:.0f}%)" for c in CATEGORIES]
     row += [f"{gaps * 1e3:.2f} ({100 * gaps / profiled:.0f}%)", top_level // steps]
     return row
@@ -116,7 +121,8 @@ def main() -> None:
     args = ap.parse_args()
     rows = [profile_dtype(d, args.context, args.steps) for d in args.dtypes]
     print(markdown_table(
-        ["dtype", "step ms", "profiled ms", *(f"{c} ms" for c in CATEGORIES), "Python/gaps ms", "ops/step"], rows
+        ["dtype", "step ms", "CPU ms", "profiled ms", *(f"{c} ms" for c in CATEGORIES), "Python/gaps ms", "ops/step"],
+        rows,
     ))
 
 
