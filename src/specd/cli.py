@@ -101,6 +101,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return serve_from_args(args)
 
 
+def _cmd_train_draft(args: argparse.Namespace) -> int:
+    from specd.training.cli import run_train_draft
+
+    return run_train_draft(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specd", description="Speculative-decoding LLM inference engine")
     parser.add_argument("-v", "--verbose", action="store_true")
@@ -128,6 +134,12 @@ def build_parser() -> argparse.ArgumentParser:
     stats = sub.add_parser("stats", help="summarise a --spec-trace file", add_help=False)
     stats.add_argument("rest", nargs=argparse.REMAINDER)
     stats.set_defaults(func=_cmd_stats)
+
+    from specd.training.cli import add_train_draft_arguments
+
+    train = sub.add_parser("train-draft", help="train an EAGLE-style draft head for a target (self-distillation)")
+    add_train_draft_arguments(train)
+    train.set_defaults(func=_cmd_train_draft)
 
     try:
         from specd.server.app import add_serve_arguments
