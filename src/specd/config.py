@@ -44,8 +44,9 @@ class SpeculationConfig:
     """How the engine speculates.
 
     method: "off" or a registered proposer (speculation/registry.py): "ngram" (prompt lookup), "draft" (a
-    separate small model sharing the vocabulary) or "layerskip" (the target's first `draft_layers` layers + its
-    final norm and LM head).
+    separate small model sharing the vocabulary), "layerskip" (the target's first `draft_layers` layers + its
+    final norm and LM head) or "eagle" (a draft head trained for the target by `specd train-draft`: the one in
+    `draft_model`, or the one shipped for the default model).
     num_speculative_tokens: k_max, the most draft tokens per sequence per step (<= 64).
     k_policy: a registered k policy (speculation/policies/), which declares the proposers it works with:
     "fixed" (k_i = k_max), "heuristic" (+2 after a fully accepted draft, -1 otherwise, per sequence, within

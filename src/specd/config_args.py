@@ -63,7 +63,8 @@ SPECULATION_FLAGS = (
                help="k_max: most draft tokens per sequence per step"),
     ConfigFlag("--k-policy", "speculation.k_policy", choices=k_policies),
     ConfigFlag("--draft-model", "speculation.draft_model", type=str,
-               help="draft model (HF dir or .gguf) for --spec draft"),
+               help="draft model (HF dir or .gguf) for --spec draft; a head directory from "
+               "`specd train-draft` for --spec eagle (default: the head shipped for the model)"),
     ConfigFlag("--draft-layers", "speculation.draft_layers", type=int, help="layers used by --spec layerskip"),
     ConfigFlag("--ngram-min", "speculation.ngram_min_match"),
     ConfigFlag("--ngram-max", "speculation.ngram_max_match"),

@@ -36,6 +36,7 @@ _LOG_INT_KEYS = frozenset({
 if TYPE_CHECKING:
     from specd.llm import LLM
     from specd.metrics.stats import StatsSink
+    from specd.model.draft_head import DraftHead
 
 
 def tiny_hf_config_dict(model_type: str = "llama", vocab_size: int = 320, **overrides: Any) -> dict[str, Any]:
@@ -216,3 +217,19 @@ def tiny_llm(config: EngineConfig, stats_sinks: Sequence[StatsSink] = (), step_d
 
         llm.step = slow_step  # type: ignore[method-assign]
     return llm
+
+
+def random_draft_head(target: LlamaForCausalLM, draft_vocab_size: int | None = None, seed: int = 0) -> DraftHead:
+    """An untrained draft head for `target`, ready for inference: the target's last layer with noise added, over a
+    random draft vocabulary (all tokens by default). It agrees with the target sometimes, not always."""
+    from specd.model.draft_head import DraftHead
+
+    vocab = target.config.vocab_size
+    token_map = torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))[: draft_vocab_size or vocab]
+    head = DraftHead.initialise(target, token_map, "tiny", seed=seed)
+    with torch.no_grad():
+        noise = torch.Generator().manual_seed(seed + 1)
+        for p in head.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn(p.shape, generator=noise) * 0.02)
+    return head.for_inference(target.dtype)

@@ -13,9 +13,10 @@ from specd.model.attention import ForwardBatch
 from specd.sampling.params import SamplingParams, SpecOverride
 from specd.sampling.penalties import TokenHistory, adjust_logits
 from specd.speculation.draft import DraftModelProposer
+from specd.speculation.eagle import EagleProposer
 from specd.speculation.policies.goodput import PROBE_INTERVAL
 from specd.speculation.proposer import Proposal, Proposer
-from specd.testing import tiny_hf_config_dict, tiny_specd_model
+from specd.testing import random_draft_head, tiny_hf_config_dict, tiny_specd_model
 
 PROMPTS = ["hello world, hello world, hello", "abcabcabcabc", "the quick brown fox jumps over the lazy dog. the quick",
            "Zebra", "x = 1; y = 2; x = 1; y ="]
@@ -41,12 +42,16 @@ def _spec(method, k, policy, **extra):
     ("method", "policy"),
     [("ngram", "fixed"), ("ngram", "heuristic"), ("ngram", "goodput"), ("layerskip", "fixed"),
      ("layerskip", "heuristic"), ("layerskip", "confidence"), ("draft", "fixed"), ("draft", "heuristic"),
-     ("draft", "confidence")],
+     ("draft", "confidence"), ("eagle", "fixed"), ("eagle", "heuristic"), ("eagle", "confidence")],
 )
 def test_greedy_lossless_every_proposer_and_policy(make_llm, tiny_model, draft_model, method, policy, k):
     plain = _plain(make_llm)
     proposer = None
-    if method == "draft":
+    if method == "eagle":
+        # A random head over 200 of the 320 tokens: drafts are sometimes right, sometimes outside the map's reach.
+        proposer = EagleProposer(random_draft_head(tiny_model, 200), 8, 256)
+        spec = _spec("layerskip", k, policy, draft_layers=1, confidence_threshold=0.06)
+    elif method == "draft":
         # 0.06: about the median top probability of these random tiny models, so confidence cuts about half.
         proposer = DraftModelProposer(draft_model, 8, 256)
         # method only enables speculation; proposer injected
@@ -199,6 +204,7 @@ SAMPLED_COMBOS = [
     ("ngram", "fixed"), ("ngram", "heuristic"), ("ngram", "goodput"),
     ("draft", "fixed"), ("draft", "heuristic"), ("draft", "confidence"),
     ("layerskip", "fixed"), ("layerskip", "heuristic"), ("layerskip", "confidence"),
+    ("eagle", "fixed"), ("eagle", "confidence"),
     ("broken-residual", "fixed"),
 ]
 
@@ -207,8 +213,9 @@ SAMPLED_COMBOS = [
 def test_sampled_speculation_matches_target_distribution(tiny_vocab_models, method, policy, monkeypatch):
     """Every proposer x k policy that supports sampling, chi-square at significance 0.001. The "broken-residual"
     case samples corrections from p instead of norm(max(0, p - q)) and must be caught by the same test: proof
-    that the test has power. The confidence threshold (0.3) cuts the draft at about half of the contexts here, so
-    both the cut and the uncut paths are exercised."""
+    that the test has power. The confidence threshold (0.3; 0.632 for the eagle head, whose top probabilities lie in
+    0.62-0.64 here) cuts the draft at about half of the contexts here, so both the cut and the uncut paths are
+    exercised."""
     if method == "broken-residual":
         from specd.sampling import rejection
 
@@ -219,12 +226,14 @@ def test_sampled_speculation_matches_target_distribution(tiny_vocab_models, meth
     expected = _exact_dist_of_tokens_2_and_3(target, prompt, temperature)
     # Sanity: the draft really is a different distribution.
     assert not np.allclose(_exact_dist_of_tokens_2_and_3(draft, prompt, temperature), expected, atol=0.02)
-    threshold = 0.3 if policy == "confidence" else None
+    threshold = (0.632 if method == "eagle" else 0.3) if policy == "confidence" else None
     proposer = None  # ngram: built from the config
     if method == "layerskip":
         proposer = DraftModelProposer(target, 64, 64, num_layers=1)
     elif method in ("draft", "broken-residual"):
         proposer = DraftModelProposer(draft, 64, 64)
+    elif method == "eagle":  # a random head whose draft vocabulary leaves out 2 of the 8 tokens (q = 0 there)
+        proposer = EagleProposer(random_draft_head(target, 6, seed=4), 64, 64)
     spec_method = "ngram" if method == "ngram" else "layerskip"  # layerskip only enables speculation: injected
     cfg = EngineConfig(
         speculation=SpeculationConfig(method=spec_method, num_speculative_tokens=3, draft_layers=1, k_policy=policy,

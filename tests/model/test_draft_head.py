@@ -36,7 +36,7 @@ def test_save_load_round_trip(tmp_path, target64) -> None:
     theirs = dict(loaded.named_parameters())
     for name, mine in head.named_parameters():
         if name.startswith("lm_head"):  # not saved: the target's rows, gathered again by the token map
-            assert torch.equal(theirs[name], target64.lm_head_weight[head.token_map].float())
+            assert torch.equal(theirs[name], target64.embed_tokens.weight[head.token_map].float())
         else:  # saved in bfloat16: the loaded weight is the original rounded once
             assert torch.equal(theirs[name], mine.detach().to(torch.bfloat16).float()), name
     assert loaded.config == head.config
@@ -45,12 +45,12 @@ def test_save_load_round_trip(tmp_path, target64) -> None:
 def test_head_for_another_target_is_refused(tmp_path, target64) -> None:
     make_head(target64).save(tmp_path / "h")
     other = tiny_specd_model(tiny_hf_config_dict(), seed=1, dtype=torch.float32)
-    with pytest.raises(ModelLoadError, match="draft_model: .*trained for target 'tiny'"):
+    with pytest.raises(ModelLoadError, match=r"draft_model: .*trained for target 'tiny'"):
         DraftHead.load(tmp_path / "h", other)
 
 
 def test_not_a_head_directory_is_refused(tmp_path, target64) -> None:
-    with pytest.raises(ModelLoadError, match="draft_model: .* is not a draft-head directory"):
+    with pytest.raises(ModelLoadError, match=r"draft_model: .* is not a draft-head directory"):
         DraftHead.load(tmp_path, target64)
 
 

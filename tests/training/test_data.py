@@ -51,7 +51,7 @@ def test_samples_round_trip_through_the_cache_file(tmp_path, samples) -> None:
     loaded = load_samples(tmp_path / "d.pt", len(CONVERSATIONS))
     assert all(torch.equal(a.features, b.features) and torch.equal(a.token_ids, b.token_ids)
                for a, b in zip(samples, loaded))
-    with pytest.raises(InvalidParameterError, match="--data-cache: .* other prompts"):
+    with pytest.raises(InvalidParameterError, match=r"--data-cache: .* other prompts"):
         load_samples(tmp_path / "d.pt", 1)
     (tmp_path / "bad.pt").write_text("nope")
     with pytest.raises(InvalidParameterError, match="--data-cache"):
@@ -73,9 +73,9 @@ def test_prompt_file_formats_and_errors(tmp_path) -> None:
                              ("", "holds no prompts"), (json.dumps({"messages": []}), ":1: expected")]:
         bad = tmp_path / "bad.jsonl"
         bad.write_text(content)
-        with pytest.raises(InvalidParameterError, match=f"--prompts: .*{message}"):
+        with pytest.raises(InvalidParameterError, match=rf"--prompts: .*{message}"):
             read_prompt_file(bad)
-    with pytest.raises(InvalidParameterError, match="--prompts: .* is not a file"):
+    with pytest.raises(InvalidParameterError, match=r"--prompts: .* is not a file"):
         read_prompt_file(tmp_path / "missing.jsonl")
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from specd.training.prompts import training_prompts
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from prompts import all_prompts  # noqa: E402  (bench/prompts.py)
+from prompts import all_prompts  # bench/prompts.py
 
 SHINGLE = 8
 

@@ -105,7 +105,8 @@ class DraftHead(nn.Module):
         self.register_buffer("token_map", token_map.to(torch.long).clone(), persistent=False)  # [draft_vocab]
         # Borrowed from the target, so not registered (not saved, not trained): a plain attribute.
         self._embed = [target.embed_tokens]
-        lm_rows = target.lm_head_weight.detach()[self.token_map].clone()  # [draft_vocab, hidden]
+        lm_weight = target.embed_tokens.weight if target.lm_head is None else target.lm_head.hf_weight
+        lm_rows = lm_weight.detach()[self.token_map].clone()  # [draft_vocab, hidden]
         self.lm_head = Linear(hidden, config.draft_vocab_size, bias=False)
         self.lm_head.weight = nn.Parameter(lm_rows, requires_grad=False)
 

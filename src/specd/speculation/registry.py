@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
 from specd.speculation.draft import DraftModelProposer, build_draft, build_layerskip
+from specd.speculation.eagle import EagleProposer, build_eagle
 from specd.speculation.k_policy import KPolicy
 from specd.speculation.ngram import NgramProposer, build_ngram
 from specd.speculation.policies import K_POLICIES
@@ -35,6 +36,7 @@ PROPOSERS: dict[str, ProposerEntry] = {
     "ngram": ProposerEntry(NgramProposer.traits, build_ngram),
     "draft": ProposerEntry(DraftModelProposer.traits, build_draft),
     "layerskip": ProposerEntry(DraftModelProposer.traits, build_layerskip),
+    "eagle": ProposerEntry(EagleProposer.traits, build_eagle),
 }
 
 
