@@ -1,7 +1,8 @@
 """Speculation speed-ups on the default model: proposer x k x k policy vs plain decoding, side by side.
 
     .venv/bin/python bench/spec.py [--dtype float32|bfloat16|int4] [--kinds rewrite code docqa chat]
-        [--batch-sizes 1 8] [--ks 2 4 8] [--layerskip-ks 4] [--methods ngram layerskip] [--max-tokens 128]
+        [--batch-sizes 1 8] [--ks 2 4 8] [--layerskip-ks 4] [--eagle-ks 2 4 6] [--methods ngram layerskip eagle]
+        [--max-tokens 128]
         [--num-prompts 2] [--draft-layers 8] [--skip-transformers] [--threads N] [--json rows.json]
 
 Greedy, stopping at EOS like a real user; tokens/s counts the tokens actually generated. For each prompt
@@ -45,7 +46,8 @@ from specd.model.tokenizer import Tokenizer
 from specd.sampling.params import SamplingParams
 
 EOS_TOKEN_ID = 2  # <|im_end|> of SmolLM2-Instruct; specd stops on the tokenizer's EOS, transformers is told
-POLICIES = {"ngram": ("fixed", "heuristic", "goodput"), "layerskip": ("fixed", "heuristic", "confidence")}
+POLICIES = {"ngram": ("fixed", "heuristic", "goodput"), "layerskip": ("fixed", "heuristic", "confidence"),
+            "eagle": ("fixed", "confidence")}
 # Chosen before measuring, so the headline comparison is not "the luckiest of many noisy settings".
 RECOMMENDED = ("ngram", 8, "goodput")
 
@@ -101,7 +103,7 @@ class Row:
 
 
 def settings_for(args: argparse.Namespace) -> list[Setting]:
-    ks_of = {"ngram": args.ks, "layerskip": args.layerskip_ks}
+    ks_of = {"ngram": args.ks, "layerskip": args.layerskip_ks, "eagle": args.eagle_ks}
     return [Setting(m, k, p) for m in args.methods for k in ks_of[m] for p in POLICIES[m]]
 
 
@@ -288,7 +290,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--batch-sizes", nargs="+", type=int, choices=[1, 8], default=[1, 8])
     ap.add_argument("--ks", nargs="+", type=int, default=[2, 4, 8], help="k of ngram and of transformers' lookup")
     ap.add_argument("--layerskip-ks", nargs="+", type=int, default=[4], help="k of layerskip (full grid: 2 4 8)")
-    ap.add_argument("--methods", nargs="+", choices=list(POLICIES), default=list(POLICIES))
+    ap.add_argument("--eagle-ks", nargs="+", type=int, default=[2, 4, 6], help="k of eagle (the shipped head)")
+    ap.add_argument("--methods", nargs="+", choices=list(POLICIES), default=["ngram", "layerskip"])
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--num-prompts", type=int, default=2, help="prompts per kind at batch 1 (run one at a time)")
     ap.add_argument("--draft-layers", type=int, default=8, help="layerskip: target layers used as the draft")

@@ -34,9 +34,9 @@ class TrainConfig:
     decay ** (j - 1)."""
 
     epochs: int = 4
-    batch_tokens: int = 4096
+    batch_tokens: int = 2048
     learning_rate: float = 1e-3
-    depth: int = 3
+    depth: int = 2
     regression_weight: float = 1.0
     decay: float = 0.8
     max_train_s: float | None = None
@@ -136,19 +136,20 @@ class LossParts(NamedTuple):
 
 
 def loss_of(head: DraftHead, batch: Batch, config: TrainConfig) -> LossParts:
+    """Scored on the answer rows only (where the head will draft); the prompt rows are context."""
     outputs = unrolled_forward(head, batch.token_ids, batch.features, config.depth)
-    with torch.no_grad():
-        target_logp = F.log_softmax(head.scores(batch.features), dim=-1)  # [batch, length, draft_vocab]
     total = batch.features.new_zeros(())
     distill: list[float] = []
     regression: list[float] = []
     for level, normed in enumerate(outputs, start=1):
         # A depth-j row needs a chain that starts at a committed row with a real feature: r >= j.
-        rows = batch.valid.clone()
+        rows = batch.scored.clone()
         rows[:, :level] = False
-        logp = F.log_softmax(head.scores(normed[rows]), dim=-1)
-        ce = -(target_logp[rows].exp() * logp).sum(-1).mean()
-        reg = F.smooth_l1_loss(normed[rows], batch.features[rows])
+        target = batch.features[rows]  # [num_rows, hidden]
+        with torch.no_grad():
+            target_p = F.softmax(head.scores(target), dim=-1)  # [num_rows, draft_vocab]
+        ce = -(target_p * F.log_softmax(head.scores(normed[rows]), dim=-1)).sum(-1).mean()
+        reg = F.smooth_l1_loss(normed[rows], target)
         total = total + config.decay ** (level - 1) * (ce + config.regression_weight * reg)
         distill.append(float(ce.detach()))
         regression.append(float(reg.detach()))

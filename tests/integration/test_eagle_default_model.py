@@ -1,0 +1,47 @@
+"""The draft head shipped for the default model: it loads against it (and is found with no flag), greedy eagle
+output is token-identical to plain decoding in float32, and its drafts are accepted far more often than chance."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from specd.config import SpeculationConfig
+from specd.llm import LLM
+from specd.sampling.params import SamplingParams, SpecOverride
+from specd.speculation.eagle import EagleProposer, shipped_heads
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from prompts import prompts_of  # bench/prompts.py: never training text
+
+pytestmark = pytest.mark.integration
+
+
+def test_shipped_head_is_small_and_documents_its_command() -> None:
+    heads = shipped_heads()
+    assert heads, "no draft head shipped in specd/heads/"
+    for directory in heads:
+        assert (directory / "head.safetensors").stat().st_size <= 20 * 2**20
+        config = json.loads((directory / "config.json").read_text())
+        assert config["training"]["command"].startswith("specd train-draft")
+
+
+def test_eagle_on_the_default_model_is_lossless_and_accepts() -> None:
+    llm = LLM("default", speculation=SpeculationConfig(method="eagle", num_speculative_tokens=4),
+              max_num_seqs=2, max_model_len=512)
+    assert isinstance(llm.engine.speculator.proposer, EagleProposer)
+    prompts = [p for kind in ("chat", "rewrite") for p in prompts_of(kind)[:1]]
+    ids = [llm.tokenizer.encode_chat(p.messages) for p in prompts]
+    params = SamplingParams(max_tokens=48, temperature=0.0)
+    spec = llm.generate(prompt_token_ids=ids, sampling_params=params)
+    plain = llm.generate(prompt_token_ids=ids, sampling_params=SamplingParams(
+        max_tokens=48, temperature=0.0, speculation=SpecOverride(enabled=False)))
+    assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
+    counters = llm.get_metrics()["counters"]
+    assert counters["drafts"] > 0
+    # A random head over 8192 of 49152 tokens would accept ~never; the trained one most of its first drafts.
+    assert counters["accepted_tokens"] / counters["drafts"] > 0.5
+
