@@ -33,7 +33,7 @@ def no_model_load(monkeypatch: pytest.MonkeyPatch) -> None:
         (["--samples-per-prompt", "0"], "--samples-per-prompt"),
         (["--draft-vocab-size", "0"], "--draft-vocab-size"),
         (["--max-prompts", "1"], "--max-prompts"),
-        (["--generate-minutes", "0"], "--generate-minutes"),
+        (["--generate-minutes", "-1"], "--generate-minutes"),
         (["--train-minutes", "-1"], "--train-minutes"),
         (["--threads", "0"], "--threads"),
         (["--prompts", "/nonexistent/prompts.jsonl"], "--prompts"),

@@ -115,8 +115,10 @@ class DraftHead(nn.Module):
     def initialise(cls, target: LlamaForCausalLM, token_map: torch.Tensor, target_name: str,
                    seed: int = 0) -> DraftHead:
         """A fresh float32 head for training: the layer and norm start as copies of the target's last layer and
-        final norm (a prior that learns faster from little data than a random layer), fc as [0 ; I] plus noise,
-        so the untrained head starts near "the target's last layer applied to the previous feature"."""
+        final norm (a prior that learns faster from little data than a random layer), and fc as half the token's
+        embedding (scaled up to the feature's size) plus half the previous feature, so both inputs reach the layer
+        from the first step. (Starting from the feature alone, the embedding's share was ~3% and took most of a
+        short training run to grow.)"""
         config = DraftHeadConfig(target_fingerprint(target), target_name, int(token_map.numel()))
         head = cls(target, config, token_map).float()
         hidden = target.config.hidden_size
@@ -132,8 +134,12 @@ class DraftHead(nn.Module):
                 elif isinstance(mine, RMSNorm) and isinstance(theirs, RMSNorm):
                     mine.weight.copy_(theirs.weight.float())
             head.norm.weight.copy_(target.norm.weight.float())
+            # A normed feature's RMS is about its norm weight's RMS.
+            feature_rms = float(target.norm.weight.float().pow(2).mean().sqrt())
+            embedding_rms = float(target.embed_tokens.weight.float().pow(2).mean().sqrt())
             fc = torch.randn(hidden, 2 * hidden, generator=generator) * 0.02
-            fc[:, hidden:] += torch.eye(hidden)
+            fc[:, :hidden] += 0.5 * feature_rms / max(embedding_rms, 1e-6) * torch.eye(hidden)
+            fc[:, hidden:] += 0.5 * torch.eye(hidden)
             head.fc.weight.copy_(fc)
         return head
 

@@ -36,18 +36,29 @@ def add_train_draft_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--held-out", type=float, default=data.held_out_fraction,
                         help="share of prompts kept out of training for the report")
     parser.add_argument("--max-prompts", type=int, default=None, help="use only the first N prompts")
-    parser.add_argument("--generate-minutes", type=float, default=None,
-                        help="stop generating after this long (answers in flight are dropped)")
+    parser.add_argument("--generate-minutes", type=float, default=_minutes(data.max_generate_s),
+                        help="stop generating after this long (answers in flight are dropped; 0: no limit)")
     parser.add_argument("--epochs", type=int, default=training.epochs)
     parser.add_argument("--batch-tokens", type=int, default=training.batch_tokens, help="padded tokens per step")
     parser.add_argument("--learning-rate", type=float, default=training.learning_rate)
     parser.add_argument("--depth", type=int, default=training.depth,
                         help="draft positions unrolled in training (EAGLE-3's training-time test; 1 = off)")
     parser.add_argument("--regression-weight", type=float, default=training.regression_weight)
-    parser.add_argument("--train-minutes", type=float, default=None, help="stop training after this long")
+    parser.add_argument("--train-minutes", type=float, default=_minutes(training.max_train_s),
+                        help="stop training after this long (0: no limit)")
     parser.add_argument("--data-cache", default=None, metavar="FILE",
                         help="reuse the target's answers and features from FILE when it exists, else save them there")
     parser.add_argument("--seed", type=int, default=0)
+
+
+def _minutes(seconds: float | None) -> float:
+    return 0.0 if seconds is None else seconds / 60
+
+
+def _seconds(flag: str, minutes: float) -> float | None:
+    if minutes < 0:
+        raise InvalidParameterError(flag, "must be >= 0 (0: no limit)")
+    return minutes * 60 if minutes > 0 else None
 
 
 def run_train_draft(args: argparse.Namespace) -> int:
@@ -63,11 +74,11 @@ def run_train_draft(args: argparse.Namespace) -> int:
                       temperature=args.temperature, batch_size=args.batch_size,
                       draft_vocab_size=args.draft_vocab_size, held_out_fraction=args.held_out,
                       max_prompts=args.max_prompts,
-                      max_generate_s=None if args.generate_minutes is None else args.generate_minutes * 60,
+                      max_generate_s=_seconds("--generate-minutes", args.generate_minutes),
                       seed=args.seed)
     training = TrainConfig(epochs=args.epochs, batch_tokens=args.batch_tokens, learning_rate=args.learning_rate,
                            depth=args.depth, regression_weight=args.regression_weight,
-                           max_train_s=None if args.train_minutes is None else args.train_minutes * 60,
+                           max_train_s=_seconds("--train-minutes", args.train_minutes),
                            seed=args.seed)
     conversations = read_prompt_file(args.prompts) if args.prompts else default_conversations()
     int4 = args.dtype == "int4"
