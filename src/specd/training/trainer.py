@@ -119,7 +119,7 @@ def unrolled_forward(head: DraftHead, token_ids: torch.Tensor, features: torch.T
         values.append(v.view(batch, length, num_kv_heads, head_dim).transpose(1, 2))
         attn = F.scaled_dot_product_attention(
             q, torch.cat(keys, dim=2), torch.cat(values, dim=2), attn_mask=unrolled_mask(length, level),
-            enable_gqa=True,
+            enable_gqa=True, scale=1.0,  # the rotary tables already scaled the query rows by head_dim ** -0.5
         )  # [batch, num_heads, length, head_dim]
         hidden = x + layer.o_proj(attn.transpose(1, 2).reshape(batch * length, num_heads * head_dim))
         gate, up = layer.gate_up_proj(layer.post_attention_layernorm(hidden)).chunk(2, dim=-1)
