@@ -21,11 +21,11 @@ import sys, time, torch
 from prometheus_client import CollectorRegistry
 from specd.config import EngineConfig
 from specd.llm import LLM
-from specd.model.tokenizer import Tokenizer
+from specd.testing import byte_tokenizer
 from specd.server.app import ServerSettings, build_app, serve
 
 torch.set_num_threads(1)
-llm = LLM.from_model(torch.load(sys.argv[1], weights_only=False), Tokenizer.for_tests(320),
+llm = LLM.from_model(torch.load(sys.argv[1], weights_only=False), byte_tokenizer(320),
                      EngineConfig(max_model_len=256, max_num_seqs=2))
 step = llm.step
 
