@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -46,11 +47,35 @@ def test_greedy_answers_are_the_targets_argmax(samples, tiny_model) -> None:
         assert torch.equal(predicted, sample.token_ids[sample.num_prompt_tokens :][clear])
 
 
+def test_a_resumed_run_generates_only_the_missing_answers(samples, tiny_model, tokenizer) -> None:
+    done = {(0, 0), (2, 1), (3, 0)}
+    saved: list[list[tuple[int, int]]] = []
+    rest = generate_samples(tiny_model, tokenizer, CONVERSATIONS, samples_per_prompt=2, max_tokens=12,
+                            temperature=0.9, batch_size=3, seed=0, done=done,
+                            checkpoint=lambda so_far: saved.append([s.job for s in so_far]), checkpoint_every_s=0.0)
+    jobs = {(i, s) for i in range(len(CONVERSATIONS)) for s in range(2)}
+    assert {s.job for s in rest} == jobs - done
+    assert all(s.greedy == (s.sample == 0) for s in rest)
+    # Checkpoints grow answer by answer and the last one is the result.
+    assert saved[-1] == [s.job for s in rest]
+    assert all(set(a) <= set(b) for a, b in itertools.pairwise(saved))
+    # An answer depends on its prompt, sample number and seed only: the resumed run wrote what the full run did.
+    full = {s.job: s.token_ids for s in samples}
+    assert all(torch.equal(s.token_ids, full[s.job]) for s in rest)
+    everything = generate_samples(tiny_model, tokenizer, CONVERSATIONS, samples_per_prompt=2, max_tokens=12,
+                                  temperature=0.9, batch_size=3, seed=0, done=jobs)
+    assert everything == []
+
+
 def test_samples_round_trip_through_the_cache_file(tmp_path, samples) -> None:
     save_samples(tmp_path / "d.pt", samples)
     loaded = load_samples(tmp_path / "d.pt", len(CONVERSATIONS))
-    assert all(torch.equal(a.features, b.features) and torch.equal(a.token_ids, b.token_ids)
+    assert all(torch.equal(a.features, b.features) and torch.equal(a.token_ids, b.token_ids) and a.job == b.job
                for a, b in zip(samples, loaded))
+    # A file written before answers carried their sample number: every answer in it was a greedy one (sample 0).
+    torch.save([tuple(s)[:5] for s in samples if s.greedy], tmp_path / "old.pt")
+    assert {s.job for s in load_samples(tmp_path / "old.pt", len(CONVERSATIONS))} == {
+        (i, 0) for i in range(len(CONVERSATIONS))}
     with pytest.raises(InvalidParameterError, match=r"--data-cache: .* other prompts"):
         load_samples(tmp_path / "d.pt", 1)
     (tmp_path / "bad.pt").write_text("nope")

@@ -19,7 +19,8 @@ _DTYPES = ("float32", "bfloat16", "int4")
 def add_train_draft_arguments(parser: argparse.ArgumentParser) -> None:
     data, training = DataConfig(), TrainConfig()
     parser.add_argument("--model", default="default", help="target: 'default', a HF dir or .gguf")
-    parser.add_argument("--out", required=True, help="directory to write the head and its report into")
+    parser.add_argument("--out", default=None,
+                        help="directory to write the head and its report into (required unless --only generate)")
     parser.add_argument("--prompts", default=None, metavar="FILE",
                         help="JSONL prompts (a string, {\"prompt\": ...} or {\"messages\": [...]} per line); "
                         "default: the prompt set shipped with specd")
@@ -47,7 +48,11 @@ def add_train_draft_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--train-minutes", type=float, default=_minutes(training.max_train_s),
                         help="stop training after this long (0: no limit)")
     parser.add_argument("--data-cache", default=None, metavar="FILE",
-                        help="reuse the target's answers and features from FILE when it exists, else save them there")
+                        help="keep the target's answers and features in FILE: answers already there are reused, the "
+                        "missing ones generated and saved every few minutes (a stopped run resumes)")
+    parser.add_argument("--only", default=None, choices=("generate", "train"),
+                        help="generate: stop after saving the data (needs --data-cache); train: train on "
+                        "--data-cache as it is, generating nothing")
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -80,6 +85,10 @@ def run_train_draft(args: argparse.Namespace) -> int:
                            depth=args.depth, regression_weight=args.regression_weight,
                            max_train_s=_seconds("--train-minutes", args.train_minutes),
                            seed=args.seed)
+    if args.out is None and args.only != "generate":
+        raise InvalidParameterError("--out", "is required (the directory to write the head into)")
+    if args.only is not None and args.data_cache is None:
+        raise InvalidParameterError("--only", "needs --data-cache (the data to save or to train on)")
     conversations = read_prompt_file(args.prompts) if args.prompts else default_conversations()
     int4 = args.dtype == "int4"
     dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
@@ -87,6 +96,10 @@ def run_train_draft(args: argparse.Namespace) -> int:
     target = build_model(checkpoint.config, checkpoint.state_dict, dtype, int4=int4)
     command = "specd train-draft " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["train-draft"] else [])
     result = train_draft(target, checkpoint.tokenizer, args.model, args.out, conversations, data, training,
-                         command=command, data_cache=args.data_cache)
-    print(f"[specd] wrote {args.out}: " + summary_line(result.report), file=sys.stderr)
+                         command=command, data_cache=args.data_cache, generate=args.only != "train",
+                         train_head=args.only != "generate")
+    if result is None:
+        print(f"[specd] saved the training data in {args.data_cache}", file=sys.stderr)
+    else:
+        print(f"[specd] wrote {args.out}: " + summary_line(result.report), file=sys.stderr)
     return 0

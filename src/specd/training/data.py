@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import time
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -35,6 +35,11 @@ class Sample(NamedTuple):
     num_prompt_tokens: int
     features: torch.Tensor  # [num_tokens, hidden_size] bfloat16
     greedy: bool
+    sample: int = 0  # which answer of its prompt: 0 is the greedy one, 1.. are sampled
+
+    @property
+    def job(self) -> tuple[int, int]:
+        return self.prompt_index, self.sample
 
     @property
     def response_ids(self) -> list[int]:
@@ -119,11 +124,19 @@ def generate_samples(
     batch_size: int,
     seed: int,
     max_seconds: float | None = None,
+    done: Collection[tuple[int, int]] = (),
+    checkpoint: Callable[[list[Sample]], None] | None = None,
+    checkpoint_every_s: float = 300.0,
 ) -> list[Sample]:
     """Answer every conversation `samples_per_prompt` times with specd's engine (continuous batching): the first
     answer greedy, the others sampled at `temperature` (top-p 0.95) with per-request seeds. Returns them with the
     target's features, recorded by the generating forwards. After `max_seconds` the answers still being generated
-    are dropped and the rest returned (the order of jobs is every prompt once, then every prompt again, ...)."""
+    are dropped and the rest returned (the order of jobs is every prompt once, then every prompt again, ...).
+
+    done: (prompt index, sample) jobs already answered (a resumed run): skipped. checkpoint: called with every
+    answer finished so far, at most every `checkpoint_every_s` and once at the end, so a long run can be saved as it
+    goes. A job's answer depends only on its prompt, its sample number and the seed, not on what else was generated.
+    """
     from specd.llm import LLM
 
     prompt_ids = [tokenizer.encode_chat(c) for c in conversations]
@@ -132,12 +145,15 @@ def generate_samples(
                           max_num_batched_tokens=max(512, batch_size))
     recorder = _FeatureRecorder(target, batch_size, longest)
     llm = LLM.from_model(recorder, tokenizer, config)  # type: ignore[arg-type]  # duck-typed stand-in
-    jobs = [(i, s) for s in range(samples_per_prompt) for i in range(len(prompt_ids))]
+    skip = set(done)
+    jobs = [(i, s) for s in range(samples_per_prompt) for i in range(len(prompt_ids)) if (i, s) not in skip]
+    if not jobs:
+        return []
     results: dict[str, Sample] = {}
     progress = Progress("generate", len(jobs) * max_tokens, "tokens (at most)")
     pending = iter(jobs)
     tokens: dict[str, list[int]] = {}
-    meta: dict[str, tuple[int, bool]] = {}
+    meta: dict[str, tuple[int, int]] = {}
     in_flight = 0
     produced = 0
 
@@ -150,12 +166,16 @@ def generate_samples(
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0 if greedy else temperature,
                                 top_p=1.0 if greedy else 0.95, seed=seed + 7919 * sample + index)
         rid = llm.add_request(None, params, prompt_token_ids=prompt_ids[index])
-        tokens[rid], meta[rid] = [], (index, greedy)
+        tokens[rid], meta[rid] = [], (index, sample)
         return True
 
     while in_flight < batch_size and submit():
         in_flight += 1
-    started = time.monotonic()
+    started = last_checkpoint = time.monotonic()
+
+    def finished() -> list[Sample]:
+        return [results[rid] for rid in sorted(results, key=lambda r: int(r.rsplit("-", 1)[1]))]
+
     while in_flight:
         if max_seconds is not None and time.monotonic() - started > max_seconds:
             for rid in list(tokens):
@@ -165,20 +185,25 @@ def generate_samples(
             tokens[delta.request_id].extend(delta.new_token_ids)
             produced += len(delta.new_token_ids)
             if delta.finished:
-                index, greedy = meta[delta.request_id]
+                index, sample = meta[delta.request_id]
                 ids = prompt_ids[index] + tokens.pop(delta.request_id)
                 features = recorder.take(ids)
                 results[delta.request_id] = Sample(index, torch.tensor(ids[:-1], dtype=torch.long),
-                                                   len(prompt_ids[index]), features, greedy)
+                                                   len(prompt_ids[index]), features, sample == 0, sample)
                 # The ETA counts every answer as max_tokens long; one that ends early counts as done.
                 progress.advance(max_tokens, note=f"{produced} generated")
                 in_flight -= 1
                 if submit():
                     in_flight += 1
+        if checkpoint is not None and time.monotonic() - last_checkpoint > checkpoint_every_s:
+            checkpoint(finished())
+            last_checkpoint = time.monotonic()
     progress.finish()
-    if not results:
+    if not results and not skip:
         raise InvalidParameterError("--generate-minutes", "no answer was finished in time")
-    return [results[rid] for rid in sorted(results, key=lambda r: int(r.rsplit("-", 1)[1]))]
+    if checkpoint is not None:
+        checkpoint(finished())
+    return finished()
 
 
 def save_samples(path: Path, samples: Sequence[Sample]) -> None:

@@ -14,7 +14,14 @@ from specd.errors import InvalidParameterError
 from specd.model.draft_head import DraftHead
 from specd.model.llama import LlamaForCausalLM
 from specd.model.tokenizer import Tokenizer
-from specd.training.data import Conversation, frequent_tokens, generate_samples, load_samples, save_samples
+from specd.training.data import (
+    Conversation,
+    Sample,
+    frequent_tokens,
+    generate_samples,
+    load_samples,
+    save_samples,
+)
 from specd.training.prompts import training_prompts
 from specd.training.report import write_report
 from specd.training.trainer import TrainConfig, acceptance, mean_acceptance_length, train
@@ -69,18 +76,24 @@ def train_draft(
     target: LlamaForCausalLM,
     tokenizer: Tokenizer,
     target_name: str,
-    out_dir: str | Path,
+    out_dir: str | Path | None,
     conversations: Sequence[Conversation],
     data: DataConfig,
     training: TrainConfig,
     command: str = "",
     data_cache: str | Path | None = None,
-) -> TrainDraftResult:
+    generate: bool = True,
+    train_head: bool = True,
+) -> TrainDraftResult | None:
     """The whole pipeline; writes head.safetensors, config.json and report.json (+ report.png) into out_dir.
 
-    data_cache: a file of the target's answers and features: read when it exists (generation is skipped; it must
-    come from the same prompts and data settings), written after generating otherwise.
+    data_cache: a file of the target's answers and features (from the same prompts). Its answers are kept and only
+    the missing (prompt, sample) answers are generated; the file is rewritten every few minutes while generating,
+    so a stopped run resumes where it was. generate=False trains on the file as it is; train_head=False stops after
+    generating (returns None).
     """
+    if train_head and out_dir is None:
+        raise InvalidParameterError("--out", "is required to train a head")
     if data.draft_vocab_size > target.config.vocab_size:
         raise InvalidParameterError(
             "--draft-vocab-size", f"must be <= the target's vocabulary ({target.config.vocab_size})"
@@ -94,14 +107,23 @@ def train_draft(
     started = time.monotonic()
 
     cache = Path(data_cache) if data_cache is not None else None
-    if cache is not None and cache.is_file():
-        samples = load_samples(cache, len(conversations))
-    else:
-        samples = generate_samples(target, tokenizer, conversations, data.samples_per_prompt, data.max_tokens,
-                                   data.temperature, data.batch_size, data.seed, data.max_generate_s)
-        if cache is not None:
-            save_samples(cache, samples)
+    samples = load_samples(cache, len(conversations)) if cache is not None and cache.is_file() else []
+    if generate:
+        kept = list(samples)
+
+        def save(new: list[Sample]) -> None:
+            if cache is not None:
+                save_samples(cache, kept + new)
+
+        samples = kept + generate_samples(
+            target, tokenizer, conversations, data.samples_per_prompt, data.max_tokens, data.temperature,
+            data.batch_size, data.seed, data.max_generate_s, done={s.job for s in kept},
+            checkpoint=save if cache is not None else None)
     phases["generate_s"] = time.monotonic() - started
+    if not samples:
+        raise InvalidParameterError("--data-cache", f"{cache} does not exist: nothing to train on")
+    if not train_head:
+        return None
 
     prompt_order = list(range(len(conversations)))
     random.Random(data.seed).shuffle(prompt_order)
@@ -147,6 +169,7 @@ def train_draft(
         "held_out_acceptance_per_position_untrained": before,
         "held_out_tau": {f"k={k}": mean_acceptance_length(after, k) for k in (1, 2, 4, 6)},
     }
+    assert out_dir is not None  # checked on entry
     head.save(out_dir, extra={"command": command, "train_response_tokens": report["data"]["train_response_tokens"],
                               "held_out_tau": report["held_out_tau"]})
     write_report(Path(out_dir), report)
