@@ -47,7 +47,7 @@ from specd.sampling.params import SamplingParams
 
 EOS_TOKEN_ID = 2  # <|im_end|> of SmolLM2-Instruct; specd stops on the tokenizer's EOS, transformers is told
 POLICIES = {"ngram": ("fixed", "heuristic", "goodput"), "layerskip": ("fixed", "heuristic", "confidence"),
-            "eagle": ("fixed", "confidence")}
+            "eagle": ("fixed", "confidence"), "hybrid": ("fixed", "confidence")}
 # Chosen before measuring, so the headline comparison is not "the luckiest of many noisy settings".
 RECOMMENDED = ("ngram", 8, "goodput")
 
@@ -103,7 +103,7 @@ class Row:
 
 
 def settings_for(args: argparse.Namespace) -> list[Setting]:
-    ks_of = {"ngram": args.ks, "layerskip": args.layerskip_ks, "eagle": args.eagle_ks}
+    ks_of = {"ngram": args.ks, "layerskip": args.layerskip_ks, "eagle": args.eagle_ks, "hybrid": args.eagle_ks}
     return [Setting(m, k, p) for m in args.methods for k in ks_of[m] for p in POLICIES[m]]
 
 
@@ -290,7 +290,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--batch-sizes", nargs="+", type=int, choices=[1, 8], default=[1, 8])
     ap.add_argument("--ks", nargs="+", type=int, default=[2, 4, 8], help="k of ngram and of transformers' lookup")
     ap.add_argument("--layerskip-ks", nargs="+", type=int, default=[4], help="k of layerskip (full grid: 2 4 8)")
-    ap.add_argument("--eagle-ks", nargs="+", type=int, default=[2, 4, 6], help="k of eagle (the shipped head)")
+    ap.add_argument("--eagle-ks", nargs="+", type=int, default=[2, 4, 6], help="k of eagle, hybrid")
     ap.add_argument("--methods", nargs="+", choices=list(POLICIES), default=["ngram", "layerskip"])
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--num-prompts", type=int, default=2, help="prompts per kind at batch 1 (run one at a time)")

@@ -46,7 +46,8 @@ class SpeculationConfig:
     method: "off" or a registered proposer (speculation/registry.py): "ngram" (prompt lookup), "draft" (a
     separate small model sharing the vocabulary), "layerskip" (the target's first `draft_layers` layers + its
     final norm and LM head) or "eagle" (a draft head trained for the target by `specd train-draft`: the one in
-    `draft_model`, or the one shipped for the default model).
+    `draft_model`, or the one shipped for the default model) or "hybrid" (ngram's draft where its matched suffix is
+    at least `hybrid_min_match` tokens, eagle's elsewhere).
     num_speculative_tokens: k_max, the most draft tokens per sequence per step (<= 64).
     k_policy: a registered k policy (speculation/policies/), which declares the proposers it works with:
     "fixed" (k_i = k_max), "heuristic" (+2 after a fully accepted draft, -1 otherwise, per sequence, within
@@ -66,6 +67,7 @@ class SpeculationConfig:
     draft_layers: int | None = None
     confidence_threshold: float = 0.5
     heuristic_probe_interval: int = 8
+    hybrid_min_match: int = 3
 
     def __post_init__(self) -> None:
         if self.method not in spec_methods():
@@ -95,6 +97,12 @@ class SpeculationConfig:
                     f"{self.k_policy!r} does not work with the {self.method!r} proposer: {reason} ({works_with})",
                 )
         _positive_int("speculation.heuristic_probe_interval", self.heuristic_probe_interval)
+        _positive_int("speculation.hybrid_min_match", self.hybrid_min_match)
+        if self.method == "hybrid" and self.hybrid_min_match > self.ngram_max_match:
+            raise InvalidParameterError(
+                "speculation.hybrid_min_match",
+                f"must be <= speculation.ngram_max_match ({self.ngram_max_match}): a longer match is never found",
+            )
 
     @property
     def enabled(self) -> bool:

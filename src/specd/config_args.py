@@ -69,6 +69,8 @@ SPECULATION_FLAGS = (
     ConfigFlag("--ngram-min", "speculation.ngram_min_match"),
     ConfigFlag("--ngram-max", "speculation.ngram_max_match"),
     ConfigFlag("--confidence-threshold", "speculation.confidence_threshold"),
+    ConfigFlag("--hybrid-min-match", "speculation.hybrid_min_match",
+               help="--spec hybrid: take ngram's draft when its matched suffix is at least this long, else eagle's"),
     ConfigFlag("--spec-trace", "spec_trace_path", type=str, metavar="FILE",
                help="write one JSON line per (step, request)"),
     ConfigFlag("--log-stats-interval", "log_stats_interval_s", help="seconds between metric log lines"),

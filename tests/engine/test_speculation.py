@@ -14,6 +14,8 @@ from specd.sampling.params import SamplingParams, SpecOverride
 from specd.sampling.penalties import TokenHistory, adjust_logits
 from specd.speculation.draft import DraftModelProposer
 from specd.speculation.eagle import EagleProposer
+from specd.speculation.hybrid import HybridProposer
+from specd.speculation.ngram import NgramConfig, NgramProposer
 from specd.speculation.policies.goodput import PROBE_INTERVAL
 from specd.speculation.proposer import Proposal, Proposer
 from specd.testing import random_draft_head, tiny_hf_config_dict, tiny_specd_model
@@ -42,14 +44,17 @@ def _spec(method, k, policy, **extra):
     ("method", "policy"),
     [("ngram", "fixed"), ("ngram", "heuristic"), ("ngram", "goodput"), ("layerskip", "fixed"),
      ("layerskip", "heuristic"), ("layerskip", "confidence"), ("draft", "fixed"), ("draft", "heuristic"),
-     ("draft", "confidence"), ("eagle", "fixed"), ("eagle", "heuristic"), ("eagle", "confidence")],
+     ("draft", "confidence"), ("eagle", "fixed"), ("eagle", "heuristic"), ("eagle", "confidence"),
+     ("hybrid", "fixed"), ("hybrid", "confidence")],
 )
 def test_greedy_lossless_every_proposer_and_policy(make_llm, tiny_model, draft_model, method, policy, k):
     plain = _plain(make_llm)
     proposer = None
-    if method == "eagle":
+    if method in ("eagle", "hybrid"):
         # A random head over 200 of the 320 tokens: drafts are sometimes right, sometimes outside the map's reach.
         proposer = EagleProposer(random_draft_head(tiny_model, 200), 8, 256)
+        if method == "hybrid":  # ngram where a 2-token suffix recurs (the repetitive prompts), the head elsewhere
+            proposer = HybridProposer(NgramProposer(NgramConfig(1, 4)), proposer, tiny_model.config.vocab_size, 2)
         spec = _spec("layerskip", k, policy, draft_layers=1, confidence_threshold=0.06)
     elif method == "draft":
         # 0.06: about the median top probability of these random tiny models, so confidence cuts about half.
@@ -204,7 +209,7 @@ SAMPLED_COMBOS = [
     ("ngram", "fixed"), ("ngram", "heuristic"), ("ngram", "goodput"),
     ("draft", "fixed"), ("draft", "heuristic"), ("draft", "confidence"),
     ("layerskip", "fixed"), ("layerskip", "heuristic"), ("layerskip", "confidence"),
-    ("eagle", "fixed"), ("eagle", "confidence"),
+    ("eagle", "fixed"), ("eagle", "confidence"), ("hybrid", "fixed"),
     ("broken-residual", "fixed"),
 ]
 
@@ -234,6 +239,9 @@ def test_sampled_speculation_matches_target_distribution(tiny_vocab_models, meth
         proposer = DraftModelProposer(draft, 64, 64)
     elif method == "eagle":  # a random head whose draft vocabulary leaves out 2 of the 8 tokens (q = 0 there)
         proposer = EagleProposer(random_draft_head(target, 6, seed=4), 64, 64)
+    elif method == "hybrid":  # ngram drafts after a token seen in the prompt (1, 5, 3), the head's after 0, 2, 4, 6, 7
+        proposer = HybridProposer(NgramProposer(NgramConfig(1, 4)), EagleProposer(random_draft_head(target, 6, seed=4),
+                                  64, 64), VOCAB, 1)
     spec_method = "ngram" if method == "ngram" else "layerskip"  # layerskip only enables speculation: injected
     cfg = EngineConfig(
         speculation=SpeculationConfig(method=spec_method, num_speculative_tokens=3, draft_layers=1, k_policy=policy,

@@ -1,5 +1,5 @@
 """The draft head shipped for the default model: it loads against it (and is found with no flag), greedy eagle
-output is token-identical to plain decoding in float32, and its drafts are accepted far more often than chance."""
+and hybrid output is token-identical to plain decoding, and its drafts are accepted far more often than chance."""
 
 from __future__ import annotations
 
@@ -29,10 +29,12 @@ def test_shipped_head_is_small_and_documents_its_command() -> None:
         assert config["training"]["command"].startswith("specd train-draft")
 
 
-def test_eagle_on_the_default_model_is_lossless_and_accepts() -> None:
-    llm = LLM("default", speculation=SpeculationConfig(method="eagle", num_speculative_tokens=4),
+@pytest.mark.parametrize("method", ["eagle", "hybrid"])
+def test_eagle_on_the_default_model_is_lossless_and_accepts(method: str) -> None:
+    llm = LLM("default", speculation=SpeculationConfig(method=method, num_speculative_tokens=4),
               max_num_seqs=2, max_model_len=512)
-    assert isinstance(llm.engine.speculator.proposer, EagleProposer)
+    proposer = llm.engine.speculator.proposer
+    assert isinstance(proposer if method == "eagle" else proposer.model, EagleProposer)
     prompts = [p for kind in ("chat", "rewrite") for p in prompts_of(kind)[:1]]
     ids = [llm.tokenizer.encode_chat(p.messages) for p in prompts]
     params = SamplingParams(max_tokens=48, temperature=0.0)

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from specd.speculation.draft import DraftModelProposer, build_draft, build_layerskip
 from specd.speculation.eagle import EagleProposer, build_eagle
+from specd.speculation.hybrid import HybridProposer, build_hybrid
 from specd.speculation.k_policy import KPolicy
 from specd.speculation.ngram import NgramProposer, build_ngram
 from specd.speculation.policies import K_POLICIES
@@ -37,6 +38,7 @@ PROPOSERS: dict[str, ProposerEntry] = {
     "draft": ProposerEntry(DraftModelProposer.traits, build_draft),
     "layerskip": ProposerEntry(DraftModelProposer.traits, build_layerskip),
     "eagle": ProposerEntry(EagleProposer.traits, build_eagle),
+    "hybrid": ProposerEntry(HybridProposer.traits, build_hybrid),
 }
 
 
