@@ -117,6 +117,38 @@ def test_ragged_batch_equals_each_alone():
         offset += len(news[i])
 
 
+def test_decode_rows_beside_a_long_prefill_chunk_attend_apart_and_equal_the_reference():
+    from specd.model.attention import GROUPED_MAX_NEW, AttentionMetadata
+
+    hf, ours = _pair("llama", {})
+    torch.manual_seed(3)
+    prompts = [torch.randint(0, 320, (n,)).tolist() for n in (6, 9, 4)]
+    cache = ours.make_cache(4, 128)
+    slots = [cache.allocate() for _ in prompts]
+    for s, p in zip(slots, prompts):
+        _run(ours, cache, s, p, 0)
+    # seq 0 decodes 1 token, seq 1 verifies 3, seq 2 prefills a chunk longer than the grouped path takes.
+    news = [[7], [8, 9, 10], torch.randint(0, 320, (GROUPED_MAX_NEW + 9,)).tolist()]
+    order = [1, 2, 0]
+    cache.reserve(64)
+    batch = ForwardBatch.build([news[i] for i in order], [slots[i] for i in order],
+                               [len(prompts[i]) for i in order], [list(range(len(news[i]))) for i in order])
+    meta = AttentionMetadata.build(batch)
+    # Two parts: the short rows (seqs 1 and 0, flat rows 0-2 and the last) and the chunk's rows, unpadded.
+    assert [rows.tolist() for rows, _ in meta.parts] == [[0, 1, 2, 3 + len(news[2])],
+                                                         list(range(3, 3 + len(news[2])))]
+    assert [part.max_new for _, part in meta.parts] == [3, len(news[2])]
+    logits = ours(batch, cache)
+    offset = 0
+    for i in order:
+        full = prompts[i] + news[i]
+        ref = hf(torch.tensor([full])).logits[0, len(prompts[i]) :]
+        torch.testing.assert_close(logits[offset : offset + len(news[i])], ref, rtol=1e-9, atol=1e-9)
+        offset += len(news[i])
+    # All-short or all-long batches attend in one part, as before.
+    assert AttentionMetadata.build(ForwardBatch.build([[1], [2, 3]], [0, 1], [6, 9], [[0], [1]])).parts == ()
+
+
 def test_rollback_then_continue_equals_never_written():
     hf, ours = _pair("llama", {})
     torch.manual_seed(3)

@@ -8,6 +8,7 @@ layers.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -71,12 +72,32 @@ class AttentionMetadata:
     pad_index: torch.Tensor | None  # [num_tokens] flat index into [num_seqs * max_new]; None if no padding
     mask: torch.Tensor | None  # [num_seqs, 1, max_new, kv_len] bool, True = attend; None = attend all
     additive_mask: torch.Tensor | None  # [num_seqs, 1, 1, max_new, kv_len] float32, 0 or -inf (grouped path)
+    # A batch mixing decode/verification rows with long prefill chunks attends in two parts, so that decode rows
+    # are not padded to the chunk's length: (flat token rows [n_part], that part's metadata) each. Empty otherwise.
+    parts: tuple[tuple[torch.Tensor, AttentionMetadata], ...] = ()
 
     @staticmethod
     def build(batch: ForwardBatch) -> AttentionMetadata:
         num_new = list(batch.num_new_tokens)
-        starts = list(batch.start_positions)
-        slots = list(batch.slot_ids)
+        meta = AttentionMetadata._build(list(batch.slot_ids), list(batch.start_positions), num_new, batch.positions)
+        short = [i for i, n in enumerate(num_new) if n <= GROUPED_MAX_NEW]
+        if not short or len(short) == len(num_new):
+            return meta
+        # Padding every sequence to the longest chunk would cost num_seqs x chunk query rows in every layer.
+        offsets = [0]
+        for n in num_new:
+            offsets.append(offsets[-1] + n)
+        parts: list[tuple[torch.Tensor, AttentionMetadata]] = []
+        for members in (short, [i for i, n in enumerate(num_new) if n > GROUPED_MAX_NEW]):
+            rows = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in members])
+            part = AttentionMetadata._build([batch.slot_ids[i] for i in members],
+                                            [batch.start_positions[i] for i in members],
+                                            [num_new[i] for i in members], batch.positions[rows])
+            parts.append((rows, part))
+        return dataclasses.replace(meta, parts=tuple(parts))
+
+    @staticmethod
+    def _build(slots: list[int], starts: list[int], num_new: list[int], positions: torch.Tensor) -> AttentionMetadata:
         num_seqs = len(slots)
         max_new = max(num_new)
         totals = [s + n for s, n in zip(starts, num_new)]
@@ -105,7 +126,7 @@ class AttentionMetadata:
             additive_mask = additive_mask.unsqueeze(1)
         return AttentionMetadata(
             write_slots=write_slots,
-            write_positions=batch.positions,
+            write_positions=positions,
             slot_range=(lo, lo + num_seqs) if contiguous else None,
             slot_index=torch.tensor(slots, dtype=torch.long),
             kv_len=kv_len,
@@ -165,6 +186,12 @@ def attend(
 ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
     """Attention of the new tokens over each sequence's cached prefix, their own keys included (so `write_kv`
     comes first). scale: the softmax scale, head_dim ** -0.5 when None; 1.0 for queries already scaled."""
+    if meta.parts:
+        num_tokens, num_heads, head_dim = query.shape
+        out = query.new_empty(num_tokens, num_heads * head_dim)
+        for rows, part in meta.parts:
+            out[rows] = attend(query[rows], cache, layer, part, scale)
+        return out
     k_cache = cache.keys[layer]  # [num_slots, num_kv_heads, capacity, head_dim]
     v_cache = cache.values[layer]
     if meta.slot_range is not None:
