@@ -1,13 +1,13 @@
 """Greedy losslessness on the real model: speculative outputs vs plain decoding over the whole prompt suite.
 
     .venv/bin/python bench/lossless.py [--dtype float32] [--kinds ...] [--max-tokens 64] [--batch-size 8]
-        [--draft-layers 8] [--no-float64] [--json OUT]
+        [--draft-layers 8] [--methods ngram layerskip eagle hybrid] [--no-float64] [--json OUT]
 
 Every prompt of bench/prompts.py is generated greedily (stop at EOS) with speculation off, with ngram
-(k=4, heuristic) and with layerskip (k=4, fixed); each speculative output is compared token by token with
-plain decoding's. For every mismatch the script reports the first differing position, both tokens and the
-target's logits at that position from a plain forward of prompt + the common prefix, computed once in the
-run's dtype and once with the same weights in float64:
+(k=4, heuristic), layerskip (k=4, fixed), eagle and hybrid (the shipped head, k=4, fixed); each speculative
+output is compared token by token with plain decoding's. For every mismatch the script reports the first
+differing position, both tokens and the target's logits at that position from a plain forward of prompt + the
+common prefix, computed once in the run's dtype and once with the same weights in float64:
 
 - `top2 gap`: top-1 minus top-2 logit of the run-dtype forward;
 - `plain-spec`: logit of plain's token minus logit of the speculative token (run dtype, then float64).
@@ -127,6 +127,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--draft-layers", type=int, default=8)
     ap.add_argument("--tie-gap", type=float, default=0.01, help="|logit difference| counted as a near-tie")
     ap.add_argument("--no-float64", action="store_true", help="skip the float64 reference forward")
+    ap.add_argument("--methods", nargs="+", choices=["ngram", "layerskip", "eagle", "hybrid"],
+                    default=["ngram", "layerskip", "eagle", "hybrid"], help="speculative configurations to compare")
     ap.add_argument("--json", type=Path)
     return ap.parse_args()
 
@@ -146,7 +148,10 @@ def main() -> None:
         "layerskip k=4 fixed": SpeculationConfig(
             method="layerskip", num_speculative_tokens=4, k_policy="fixed", draft_layers=args.draft_layers
         ),
+        "eagle k=4 fixed": SpeculationConfig(method="eagle", num_speculative_tokens=4, k_policy="fixed"),
+        "hybrid k=4 fixed": SpeculationConfig(method="hybrid", num_speculative_tokens=4, k_policy="fixed"),
     }
+    configs = {name: spec for name, spec in configs.items() if spec.method in args.methods}
 
     def run(spec: SpeculationConfig) -> list[list[int]]:
         config = EngineConfig(dtype=args.dtype, max_num_seqs=args.batch_size, speculation=spec)
