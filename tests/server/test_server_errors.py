@@ -49,25 +49,50 @@ BAD_BODIES = [
      "invalid_value"),
     ({"prompt": "x", "speculation": {"k_policy": "psychic"}}, "speculation.k_policy", "invalid_value"),
     ({"prompt": "x", "speculation": {"draft": 1}}, "speculation.draft", "unsupported_parameter"),
-] + [
-    ({"prompt": "x", name: value}, name, "unsupported_parameter")
-    for name, value in [("presence_penalty", 0.5), ("frequency_penalty", 0.1), ("logit_bias", {"5": 1}),
-                        ("echo", True), ("best_of", 2), ("suffix", "z"), ("tools", [])]
+    ({"prompt": "x", "best_of": 2}, "best_of", "unsupported_value"),
+    ({"prompt": "x", "suffix": "z"}, "suffix", "unsupported_value"),
+    ({"prompt": "x", "echo": True, "logprobs": 1}, "echo", "unsupported_value"),
+    ({"prompt": "x", "tools": []}, "tools", "unsupported_parameter"),
+    ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty", "invalid_value"),
+    ({"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias", "invalid_value"),
+    ({"prompt": "x", "logit_bias": {"99999": 1}}, "logit_bias", "invalid_value"),
+    ({"prompt": "x", "guided_regex": "a+", "guided_choice": ["b"]}, "guided_choice", "invalid_value"),
 ]
+
+_TOOL = {"type": "function", "function": {"name": "get", "parameters": {"type": "object"}}}
 
 BAD_CHAT_BODIES = [
     ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content", "invalid_type"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages[0].content", "invalid_type"),
     ({"messages": "hi"}, "messages", "invalid_type"),
-    ({"messages": [{"role": "user", "content": "x", "name": "bob"}]}, "messages[0].name", "unsupported_parameter"),
+    ({"messages": [{"role": "user", "content": None}]}, "messages[0].content", "invalid_value"),
+    ({"messages": [{"role": "user"}]}, "messages[0].content", "missing_required_parameter"),
+    ({"messages": [{"role": "user", "content": "x", "surname": "bob"}]}, "messages[0].surname",
+     "unsupported_parameter"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs", "invalid_value"),
     ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 50}, "top_logprobs",
      "invalid_value"),
     ({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 0}, "max_completion_tokens",
      "invalid_value"),
-    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
-     "response_format", "unsupported_parameter"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}},
+     "response_format.type", "invalid_value"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema"}},
+     "response_format.json_schema", "missing_required_parameter"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frobnicate"}}}},
+     "response_format.json_schema", "invalid_value"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [_TOOL]}, "tool_choice", "unsupported_value"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [_TOOL], "tool_choice": "auto"}, "tool_choice",
+     "unsupported_value"),
+    ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tool_choice", "invalid_value"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [_TOOL],
+      "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice.function.name",
+     "invalid_value"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [_TOOL, _TOOL], "tool_choice": "required"},
+     "tools", "invalid_value"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [_TOOL], "tool_choice": "required",
+      "response_format": {"type": "json_object"}}, "tool_choice", "invalid_value"),
     ({"messages": [{"role": "user", "content": "x" * 300}]}, "messages", "context_length_exceeded"),
 ]
 

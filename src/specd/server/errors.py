@@ -9,7 +9,7 @@ from __future__ import annotations
 import types
 import typing
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
@@ -62,32 +62,66 @@ def from_engine_error(exc: Exception, rename: Mapping[str, str] | None = None) -
     return APIError(500, f"{type(exc).__name__}: {exc}", error_type="server_error", code="internal_error")
 
 
+class Offense(NamedTuple):
+    """One field of a request that specd cannot honour: where, why and the OpenAI error code."""
+
+    param: str | None
+    message: str  # without the field name (it is prefixed when written)
+    code: str
+
+
+def invalid_request(offenses: Sequence[Offense]) -> APIError:
+    """One 400 naming every offending field: `param` is the first, the message lists them all."""
+    if not offenses:
+        raise ValueError("invalid_request needs at least one offense")
+    parts = [f"{o.param}: {o.message}" if o.param else o.message for o in offenses]
+    first = offenses[0]
+    if len(offenses) == 1:
+        return bad_request(parts[0], first.param, code=first.code)
+    names = ", ".join(o.param or "body" for o in offenses)
+    return bad_request(f"{len(offenses)} fields cannot be honoured ({names}): " + "; ".join(parts), first.param,
+                       code=first.code)
+
+
 def from_validation_error(exc: ValidationError, model: type[BaseModel]) -> APIError:
-    """The first pydantic error, with `param` as a dotted path of request fields (`messages[0].content`)."""
-    error = exc.errors(include_url=False)[0]
-    kind, loc, msg = error["type"], tuple(error["loc"]), error["msg"]
+    """Every pydantic error in one 400, each with `param` as a dotted path of request fields (`messages[0].content`)."""
+    return invalid_request(validation_offenses(exc, model))
+
+
+def validation_offenses(exc: ValidationError, model: type[BaseModel]) -> list[Offense]:
+    """The pydantic errors as offenses, one per field (a union field's members report one error each). Malformed
+    JSON raises at once: nothing else can be said about such a body."""
+    out: list[Offense] = []
+    for error in exc.errors(include_url=False):
+        offense = _offense(error["type"], tuple(error["loc"]), error["msg"], model)
+        if offense.code == "invalid_json":
+            raise bad_request(offense.message, None, code="invalid_json")
+        if all(o.param != offense.param for o in out):
+            out.append(offense)
+    return out
+
+
+def _offense(kind: str, loc: tuple[int | str, ...], msg: str, model: type[BaseModel]) -> Offense:
     if kind == "json_invalid":
-        return bad_request(f"malformed JSON body: {msg}", None, code="invalid_json")
+        return Offense(None, f"malformed JSON body: {msg}", "invalid_json")
     if kind == "extra_forbidden":
         param = _join(loc)
-        return bad_request(
-            f"unsupported field '{param}': specd does not implement it (it is rejected rather than ignored)",
-            param, code="unsupported_parameter",
-        )
+        return Offense(param, "unsupported field: specd does not implement it (it is rejected rather than ignored)",
+                       "unsupported_parameter")
     if not loc:
-        return bad_request(f"request body: {msg}", None, code="invalid_type")
+        return Offense(None, f"request body: {msg}", "invalid_type")
     param, union_field = _param_path(model, loc)
     if union_field is not None and union_field.description:
         # pydantic reports one error per union member ("should be a valid string" for the first); what the
         # client needs is the list of shapes the field accepts.
-        return bad_request(f"{param}: must be {union_field.description}", param, code="invalid_type")
+        return Offense(param, f"must be {union_field.description}", "invalid_type")
     if kind == "missing":
         code = "missing_required_parameter"
     elif kind.endswith(("_type", "_parsing")):
         code = "invalid_type"
     else:  # a constraint such as n >= 1 or a literal
         code = "invalid_value"
-    return bad_request(f"{param}: {msg}", param, code=code)
+    return Offense(param, msg, code)
 
 
 def _join(loc: Sequence[int | str]) -> str:

@@ -1,13 +1,15 @@
 """OpenAI-compatible request and response bodies (pydantic), plus specd's extension fields.
 
-Requests are parsed strictly (`extra="forbid"`, no string-to-number coercion): a field we do not
-implement, such as `presence_penalty`, is an error naming it rather than something silently ignored.
-A field that accepts several JSON shapes says which in its `description`, the text its type error shows.
-Responses mirror OpenAI's shapes; `usage.speculative_decoding` is the one addition.
+Requests are parsed strictly (`extra="forbid"`, no string-to-number coercion): a field we do not know is an error
+naming it rather than something silently ignored. Known fields are judged by value in fields.py (a neutral value is a
+no-op, a value specd cannot honour is a 400). A field that accepts several JSON shapes says which in its
+`description`, the text its type error shows. Responses mirror OpenAI's shapes; `usage.speculative_decoding` is the
+one addition.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -46,12 +48,26 @@ class SamplingRequest(_Strict):
     n: int = Field(default=1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None  # accepted for client compatibility; it never influences generation
-    # specd extensions (vLLM spells the first three the same way)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = Field(default=None, description="an object of token id (a string) to bias")
+    # Metadata only: accepted, never influences generation (fields.METADATA_FIELDS).
+    user: str | None = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    # specd extensions (vLLM spells all but `speculation` the same way)
     top_k: int | None = None
     min_p: float | None = None
+    repetition_penalty: float | None = None
     ignore_eos: bool = False
     speculation: SpeculationOptions | None = None
+    guided_json: dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(SamplingRequest):
@@ -59,6 +75,9 @@ class CompletionRequest(SamplingRequest):
         description="a string, a list of strings, a list of token ids or a list of token-id lists"
     )
     logprobs: int | None = None
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
 
 
 class TextContentPart(_Strict):
@@ -66,17 +85,80 @@ class TextContentPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
     role: str
-    content: str | list[TextContentPart] = Field(
+    content: str | list[TextContentPart] | None = Field(
+        default=None,
         description='a string or a list of text parts ({"type": "text", "text": "..."}); image, audio and file '
-        "parts are not supported"
+        "parts are not supported; null only in an assistant message",
     )
+    name: str | None = None  # metadata only (OpenAI lets participants of one role be told apart)
+    tool_calls: list[ToolCall] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages
 
     def text(self) -> str:
+        """The content as the chat template sees it; an assistant's tool calls are written as the JSON they were
+        generated as (a list of {"name", "arguments"} objects)."""
         if isinstance(self.content, str):
-            return self.content
-        return "".join(part.text for part in self.content)
+            text = self.content
+        else:
+            text = "".join(part.text for part in self.content or [])
+        if self.tool_calls:
+            calls = [{"name": c.function.name, "arguments": _json_or_text(c.function.arguments)}
+                     for c in self.tool_calls]
+            text += json.dumps(calls)
+        return text
+
+
+def _json_or_text(arguments: str) -> Any:
+    try:
+        return json.loads(arguments)
+    except ValueError:
+        return arguments
+
+
+class JSONSchemaFormat(_Strict):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # specd always enforces the schema, strict or not
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class FunctionDefinition(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None  # specd always enforces the parameters schema
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: ToolChoiceFunction
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -84,6 +166,12 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = Field(
+        default=None, description='"none", "auto", "required" or {"type": "function", "function": {"name": ...}}'
+    )
+    parallel_tool_calls: bool | None = None
 
 
 # ----------------------------------------------------------------------------------------- responses
@@ -159,7 +247,8 @@ class ChatLogprobs(BaseModel):
 
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -178,9 +267,22 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
 class ChatDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -18,6 +18,7 @@ from specd.server.protocol import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
+    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
     ChatLogprobs,
@@ -26,10 +27,14 @@ from specd.server.protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionResponse,
+    FunctionCallDelta,
     SpeculativeDecodingUsage,
+    ToolCall,
+    ToolCallDelta,
     TopLogprob,
     Usage,
 )
+from specd.server.structured import forced_tool, new_call_id, tool_calls
 
 
 @dataclass(slots=True)
@@ -41,6 +46,8 @@ class ChoiceState:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     token_chars: int = 0  # characters of the token strings reported so far (completion text_offset)
     final: RequestDelta | None = None
+    tool_call_ids: list[str] = field(default_factory=list)  # a streamed tool call keeps its first chunk's id
+    echoed: bool = False  # the prompt was written before this choice's text (completions with echo)
 
     def add(self, delta: RequestDelta) -> None:
         self.text.append(delta.new_text)
@@ -97,7 +104,8 @@ class Renderer(ABC):
         return []
 
     @abstractmethod
-    def chunk(self, choice: ChoiceState, delta: RequestDelta) -> str: ...
+    def chunk(self, choice: ChoiceState, delta: RequestDelta) -> str | None:
+        """The SSE payload for a delta (None: nothing to send yet)."""
 
     @abstractmethod
     def usage_chunk(self, usage: Usage) -> str: ...
@@ -107,6 +115,22 @@ class Renderer(ABC):
 
 
 class CompletionRenderer(Renderer):
+    """echo: each prompt's text, written before its choices' output (prompt p's choices are p * n .. p * n + n - 1);
+    None without echo."""
+
+    def __init__(self, response_id: str, created: int, model: str, top_logprobs: int | None,
+                 tokenizer: Tokenizer | None, echo: list[str] | None = None, n: int = 1) -> None:
+        super().__init__(response_id, created, model, top_logprobs, tokenizer)
+        self._echo = echo
+        self._n = n
+
+    def _echoed(self, choice: ChoiceState) -> str:
+        """The prompt text, the first time a choice is written (then "")."""
+        if self._echo is None or choice.echoed:
+            return ""
+        choice.echoed = True
+        return self._echo[choice.index // self._n]
+
     def _logprobs(self, choice: ChoiceState, logprobs: list[TokenLogprob]) -> CompletionLogprobs | None:
         if self.top_logprobs is None:
             return None
@@ -120,7 +144,8 @@ class CompletionRenderer(Renderer):
                                   text_offset=offsets)
 
     def chunk(self, choice: ChoiceState, delta: RequestDelta) -> str:
-        out = CompletionChoice(index=choice.index, text=delta.new_text, finish_reason=delta.finish_reason,
+        out = CompletionChoice(index=choice.index, text=self._echoed(choice) + delta.new_text,
+                               finish_reason=delta.finish_reason,
                                logprobs=self._logprobs(choice, delta.new_logprobs or []))
         return CompletionResponse(id=self.response_id, created=self.created, model=self.model,
                                   choices=[out]).model_dump_json()
@@ -130,13 +155,20 @@ class CompletionRenderer(Renderer):
                                   usage=usage).model_dump_json()
 
     def response(self, choices: list[ChoiceState], usage: Usage) -> CompletionResponse:
-        out = [CompletionChoice(index=c.index, text="".join(c.text), finish_reason=c.finish_reason,
+        out = [CompletionChoice(index=c.index, text=self._echoed(c) + "".join(c.text), finish_reason=c.finish_reason,
                                 logprobs=self._logprobs(c, c.logprobs)) for c in choices]
         return CompletionResponse(id=self.response_id, created=self.created, model=self.model, choices=out,
                                   usage=usage)
 
 
 class ChatRenderer(Renderer):
+    """tools: the request when its output is forced tool calls (structured.calls_tools), else None."""
+
+    def __init__(self, response_id: str, created: int, model: str, top_logprobs: int | None,
+                 tokenizer: Tokenizer | None, tools: ChatCompletionRequest | None = None) -> None:
+        super().__init__(response_id, created, model, top_logprobs, tokenizer)
+        self._tools = tools
+
     def _logprobs(self, logprobs: list[TokenLogprob]) -> ChatLogprobs | None:
         if self.top_logprobs is None:
             return None
@@ -158,16 +190,62 @@ class ChatRenderer(Renderer):
         return [self._chunk([ChatChunkChoice(index=i, delta=ChatDelta(role="assistant", content=""))])
                 for i in range(num_choices)]
 
-    def chunk(self, choice: ChoiceState, delta: RequestDelta) -> str:
-        return self._chunk([ChatChunkChoice(index=choice.index, delta=ChatDelta(content=delta.new_text),
-                                            logprobs=self._logprobs(delta.new_logprobs or []),
-                                            finish_reason=delta.finish_reason)])
+    def chunk(self, choice: ChoiceState, delta: RequestDelta) -> str | None:
+        logprobs = self._logprobs(delta.new_logprobs or [])
+        if self._tools is None:
+            return self._chunk([ChatChunkChoice(index=choice.index, delta=ChatDelta(content=delta.new_text),
+                                                logprobs=logprobs, finish_reason=delta.finish_reason)])
+        choice.text.append(delta.new_text)
+        if forced_tool(self._tools) is not None:
+            return self._named_call_chunk(choice, delta, logprobs)
+        # "required": a list of calls, sent whole once it is complete (it cannot be split into calls before).
+        if not delta.finished:
+            return None
+        text = "".join(choice.text)
+        calls = tool_calls(self._tools, text, choice.tool_call_ids)
+        if calls is None:  # cut short (max_tokens, stop): the text as it is, with its finish_reason
+            out = ChatDelta(content=text)
+        else:
+            out = ChatDelta(tool_calls=[
+                ToolCallDelta(index=i, id=c.id, type="function",
+                              function=FunctionCallDelta(name=c.function.name, arguments=c.function.arguments))
+                for i, c in enumerate(calls)])
+        return self._chunk([ChatChunkChoice(index=choice.index, delta=out, logprobs=logprobs,
+                                            finish_reason=_call_finish_reason(delta.finish_reason, calls))])
+
+    def _named_call_chunk(self, choice: ChoiceState, delta: RequestDelta, logprobs: ChatLogprobs | None) -> str:
+        """A named call streams its arguments as they are generated; the first chunk carries its id and name."""
+        tool = forced_tool(self._tools) if self._tools is not None else None
+        assert tool is not None
+        first = not choice.tool_call_ids
+        if first:
+            choice.tool_call_ids.append(new_call_id())
+        call = ToolCallDelta(index=0, id=choice.tool_call_ids[0] if first else None, type="function" if first
+                             else None, function=FunctionCallDelta(name=tool.function.name if first else None,
+                                                                   arguments=delta.new_text))
+        finish_reason = delta.finish_reason
+        if delta.finished:
+            complete = tool_calls(self._tools, "".join(choice.text), list(choice.tool_call_ids)) is not None
+            finish_reason = "tool_calls" if complete and finish_reason == "stop" else finish_reason
+        return self._chunk([ChatChunkChoice(index=choice.index, delta=ChatDelta(tool_calls=[call]), logprobs=logprobs,
+                                            finish_reason=finish_reason)])
 
     def usage_chunk(self, usage: Usage) -> str:
         return self._chunk([], usage)
 
     def response(self, choices: list[ChoiceState], usage: Usage) -> ChatCompletionResponse:
-        out = [ChatChoice(index=c.index, message=ChatResponseMessage(content="".join(c.text)),
-                          finish_reason=c.finish_reason, logprobs=self._logprobs(c.logprobs)) for c in choices]
+        out = []
+        for c in choices:
+            text = "".join(c.text)
+            calls = None if self._tools is None else tool_calls(self._tools, text, c.tool_call_ids)
+            message = ChatResponseMessage(content=text) if calls is None else ChatResponseMessage(content=None,
+                                                                                               tool_calls=calls)
+            out.append(ChatChoice(index=c.index, message=message, logprobs=self._logprobs(c.logprobs),
+                                  finish_reason=_call_finish_reason(c.finish_reason, calls)))
         return ChatCompletionResponse(id=self.response_id, created=self.created, model=self.model, choices=out,
                                       usage=usage)
+
+
+def _call_finish_reason(finish_reason: str | None, calls: list[ToolCall] | None) -> str | None:
+    """OpenAI ends a choice that made tool calls with "tool_calls"; a cut-short one keeps its own reason."""
+    return "tool_calls" if calls is not None and finish_reason == "stop" else finish_reason

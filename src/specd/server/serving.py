@@ -12,6 +12,9 @@ cover is refused before it is tokenized.
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
+import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -27,7 +30,8 @@ from specd.errors import InvalidParameterError
 from specd.llm import LLM, Prompt
 from specd.sampling.params import SamplingParams, SpecOverride
 from specd.server.async_engine import AsyncEngine, DeltaStream, EngineRequest, EngineStoppedError, cut_by_shutdown
-from specd.server.errors import APIError, bad_request, from_engine_error, from_validation_error
+from specd.server.errors import APIError, bad_request, from_engine_error, invalid_request, validation_offenses
+from specd.server.fields import judge
 from specd.server.guards import ClientDisconnected
 from specd.server.protocol import (
     ChatCompletionRequest,
@@ -35,9 +39,13 @@ from specd.server.protocol import (
     SamplingRequest,
 )
 from specd.server.render import ChatRenderer, ChoiceState, CompletionRenderer, Renderer, request_usage
+from specd.server.structured import calls_tools, structured_output
 
 _DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to "what fits"
 _RequestT = TypeVar("_RequestT", bound=BaseModel)
+IGNORED_FIELDS_HEADER = "x-specd-ignored-fields"
+
+logger = logging.getLogger("specd.server")
 
 
 class PromptInput(NamedTuple):
@@ -65,13 +73,27 @@ class _Prepared(NamedTuple):
     num_prompt_tokens: int  # each prompt once (usage.prompt_tokens)
     names: _FieldNames
     renderer: Renderer
+    ignored: list[str]  # metadata fields the request carried (x-specd-ignored-fields)
 
 
-def parse_request(body: bytes, model: type[_RequestT]) -> _RequestT:
+def parse_request(body: bytes, model: type[_RequestT]) -> tuple[_RequestT, list[str]]:
+    """The validated request and the metadata fields it carried. Every field specd cannot honour -- unknown, of the
+    wrong type, or of a value it cannot honour (fields.judge) -- is listed in one 400."""
+    request: _RequestT | None = None
     try:
-        return model.model_validate_json(body, strict=True)
+        request = model.model_validate_json(body, strict=True)
+        offenses = []
     except ValidationError as exc:
-        raise from_validation_error(exc, model) from None
+        offenses = validation_offenses(exc, model)  # raises at once for malformed JSON
+    try:
+        decoded = json.loads(body)
+    except ValueError:  # pydantic's JSON parser took it, the standard one does not: nothing to judge by value
+        decoded = None
+    judgement = judge(decoded, chat=issubclass(model, ChatCompletionRequest))
+    offenses += [o for o in judgement.offenses if all(o.param != seen.param for seen in offenses)]
+    if offenses or request is None:
+        raise invalid_request(offenses)
+    return request, judgement.ignored
 
 
 class OpenAIServing:
@@ -91,6 +113,8 @@ class OpenAIServing:
         self._queue_timeout_s = queue_timeout_s
         self._split_special_tokens = split_special_tokens
         self._max_token_chars: int | None = None
+        self._logged_ignored: set[str] = set()  # ignored metadata fields are logged once per name
+        self._logged_lock = threading.Lock()  # requests are prepared on worker threads
         if llm.tokenizer is not None:
             llm.tokenizer.warm_up()  # here, not on the first request (it holds the GIL for a while)
             self._max_token_chars = llm.tokenizer.max_token_chars
@@ -104,19 +128,21 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ request -> engine requests (worker thread)
     def _prepare_completion(self, body: bytes) -> _Prepared:
-        request = parse_request(body, CompletionRequest)
+        request, ignored = parse_request(body, CompletionRequest)
         self._check_common(request)
         names = _FieldNames("prompt", "max_tokens", "logprobs")
         prompt = request.prompt
         num_prompts = 1 if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else len(prompt)
         self._check_capacity(num_prompts, request.n, names)  # before tokenizing any of them
         prompts = self._completion_prompts(prompt)
+        echo = [p.text if p.text is not None else self._decode(p.token_ids) for p in prompts] if request.echo \
+            else None
         renderer = CompletionRenderer(f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name,
-                                      request.logprobs, self._llm.tokenizer)
-        return self._prepared(request, prompts, names, renderer)
+                                      request.logprobs, self._llm.tokenizer, echo, request.n)
+        return self._prepared(request, prompts, names, renderer, ignored)
 
     def _prepare_chat(self, body: bytes) -> _Prepared:
-        request = parse_request(body, ChatCompletionRequest)
+        request, ignored = parse_request(body, ChatCompletionRequest)
         self._check_common(request)
         max_field = "max_tokens"
         if request.max_completion_tokens is not None:
@@ -130,15 +156,29 @@ class OpenAIServing:
         self._check_capacity(1, request.n, names)
         top_logprobs = (request.top_logprobs or 0) if request.logprobs else None
         renderer = ChatRenderer(f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name, top_logprobs,
-                                self._llm.tokenizer)
-        return self._prepared(request, [self._chat_prompt(request)], names, renderer)
+                                self._llm.tokenizer, request if calls_tools(request) else None)
+        return self._prepared(request, [self._chat_prompt(request)], names, renderer, ignored)
 
     def _prepared(self, request: SamplingRequest, inputs: list[PromptInput], names: _FieldNames,
-                  renderer: Renderer) -> _Prepared:
+                  renderer: Renderer, ignored: list[str]) -> _Prepared:
         prompts = [self._validated(p, names) for p in inputs]
         engine_requests = self._engine_requests(renderer.response_id, request, prompts, renderer.top_logprobs,
                                                 names)
-        return _Prepared(request, engine_requests, sum(len(p.token_ids) for p in prompts), names, renderer)
+        self._log_ignored(ignored)
+        return _Prepared(request, engine_requests, sum(len(p.token_ids) for p in prompts), names, renderer, ignored)
+
+    def _log_ignored(self, ignored: list[str]) -> None:
+        with self._logged_lock:
+            new = [name for name in ignored if name not in self._logged_ignored]
+            self._logged_ignored.update(new)
+        for name in new:
+            logger.warning("request field '%s' is accepted but never used for generation (metadata); it is listed in "
+                           "the %s response header (logged once)", name, IGNORED_FIELDS_HEADER)
+
+    def _decode(self, token_ids: list[int]) -> str:
+        if self._llm.tokenizer is None:
+            raise bad_request("echo needs a tokenizer to write the prompt back as text", "echo")
+        return self._llm.tokenizer.decode(token_ids, skip_special_tokens=False)
 
     def _validated(self, prompt: PromptInput, names: _FieldNames) -> Prompt:
         """Validated once, here (tokenized already, with this server's special-token rule); the engine takes the
@@ -178,7 +218,7 @@ class OpenAIServing:
         tokenizer = self._llm.tokenizer
         if tokenizer is None:
             raise bad_request("this model has no tokenizer / chat template", "messages")
-        messages = [{"role": m.role, "content": m.text()} for m in request.messages]
+        messages = [{"role": m.role, "content": m.text()} for m in request.messages]  # tool_call_id, name: unused
         self._check_num_chars(sum(len(m["content"]) for m in messages), "messages")
         try:
             # The template writes its own BOS (as LLM.chat does).
@@ -240,14 +280,16 @@ class OpenAIServing:
     async def _generate(self, prepared: _Prepared, http_request: Request) -> Response:
         request, renderer, num_prompt_tokens = prepared.request, prepared.renderer, prepared.num_prompt_tokens
         stream = await self._admit(prepared, http_request)
+        headers = {IGNORED_FIELDS_HEADER: ", ".join(prepared.ignored)} if prepared.ignored else {}
         if request.stream:
             include_usage = request.stream_options is not None and request.stream_options.include_usage
             events = self._events(stream, http_request, renderer, num_prompt_tokens, include_usage)
-            return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            return StreamingResponse(events, media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", **headers})
         choices = await self._collect(stream, http_request)
         body = renderer.response(choices, request_usage(num_prompt_tokens, choices, self._k_max))
         # pydantic writes non-finite floats (a -inf logprob) as null; json.dumps would write invalid JSON.
-        return Response(body.model_dump_json(), media_type="application/json")
+        return Response(body.model_dump_json(), media_type="application/json", headers=headers)
 
     async def _admit(self, prepared: _Prepared, http_request: Request) -> DeltaStream:
         """Add the engine requests (waiting in line for room up to queue_timeout_s); a client that hangs up
@@ -306,8 +348,8 @@ class OpenAIServing:
                 if delta.error is not None:
                     yield _frame(f'{{"error": {_generation_error(delta).info.model_dump_json()}}}')
                     break
-                if renderer.worth_sending(delta):
-                    yield _frame(renderer.chunk(choice, delta))
+                if renderer.worth_sending(delta) and (payload := renderer.chunk(choice, delta)) is not None:
+                    yield _frame(payload)
             else:
                 if include_usage:
                     yield _frame(renderer.usage_chunk(request_usage(num_prompt_tokens, choices, self._k_max)))
@@ -329,10 +371,27 @@ def _sampling_params(request: SamplingRequest, max_tokens: int, logprobs: int | 
         stop=[request.stop] if isinstance(request.stop, str) else list(request.stop or []),
         ignore_eos=request.ignore_eos,
         logprobs=logprobs,
+        presence_penalty=request.presence_penalty or 0.0,
+        frequency_penalty=request.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if request.repetition_penalty is None else request.repetition_penalty,
+        logit_bias=_logit_bias(request.logit_bias),
+        structured=structured_output(request),
         speculation=None if spec is None else SpecOverride(
             enabled=spec.enabled, num_speculative_tokens=spec.num_speculative_tokens, k_policy=spec.k_policy
         ),
     )
+
+
+def _logit_bias(logit_bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias keys are token ids written as JSON strings."""
+    if not logit_bias:
+        return None
+    out: dict[int, float] = {}
+    for key, bias in logit_bias.items():
+        if not key.isascii() or not key.isdigit():
+            raise InvalidParameterError("logit_bias", f"keys must be token ids, got '{key}'")
+        out[int(key)] = bias
+    return out
 
 
 def _generation_error(delta: RequestDelta) -> APIError:
