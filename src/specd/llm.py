@@ -14,6 +14,7 @@ import torch
 from specd.config import EngineConfig, SpeculationConfig
 from specd.engine.engine import LLMEngine
 from specd.engine.outputs import CompletionOutput, RequestDelta, RequestOutput, RequestTimings, TokenLogprob
+from specd.engine.scoring import prompt_logprobs
 from specd.engine.sequence import Prompt
 from specd.errors import InvalidParameterError
 from specd.metrics.log_sink import PeriodicLogger
@@ -139,6 +140,15 @@ class LLM:
         """Tokenize (unless token ids are given) and validate a prompt once; `add_request` then takes it as is.
         Raises InvalidParameterError / PromptTooLongError naming the field."""
         return self.engine.make_prompt(prompt, prompt_token_ids)
+
+    def prompt_logprobs(self, prompt: Prompt, top_n: int = 0) -> list[TokenLogprob]:
+        """Logprob of each prompt token after the ones before it (entry i is token i + 1), with top_n alternatives.
+
+        One extra forward over the prompt in its own KV cache (specd.engine.scoring), safe beside the engine thread.
+        """
+        if isinstance(top_n, bool) or not isinstance(top_n, int) or not 0 <= top_n <= 20:
+            raise InvalidParameterError("logprobs", f"must be an integer in [0, 20], got {top_n!r}")
+        return prompt_logprobs(self.model, prompt.token_ids, top_n)
 
     def chat_prompt(self, messages: Sequence[Mapping[str, str]]) -> Prompt:
         """One conversation through the model's chat template, tokenized and validated like `prompt`."""

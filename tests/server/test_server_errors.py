@@ -51,7 +51,7 @@ BAD_BODIES = [
     ({"prompt": "x", "speculation": {"draft": 1}}, "speculation.draft", "unsupported_parameter"),
     ({"prompt": "x", "best_of": 2}, "best_of", "unsupported_value"),
     ({"prompt": "x", "suffix": "z"}, "suffix", "unsupported_value"),
-    ({"prompt": "x", "echo": True, "logprobs": 1}, "echo", "unsupported_value"),
+    ({"prompt": "x", "echo": True, "logprobs": 21}, "logprobs", "invalid_value"),
     ({"prompt": "x", "tools": []}, "tools", "unsupported_parameter"),
     ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty", "invalid_value"),
     ({"prompt": "x", "logit_bias": {"a": 1}}, "logit_bias", "invalid_value"),

@@ -191,3 +191,24 @@ def test_echo_prepends_each_prompt(spec_server, stream):
     else:
         texts = [c["text"] for c in response.json()["choices"]]
     assert texts == [prompt + c["text"] for prompt, c in zip(["abc", "abc", "hello", "hello"], plain)]
+
+
+def test_echo_with_logprobs_scores_every_prompt_token(spec_server):
+    """Each prompt token's top logprobs equal the engine's first-token logprobs after the tokens before it."""
+    ids = spec_server.llm.tokenizer.encode("hello wor")
+    out = spec_server.post("/v1/completions", json={"prompt": ids, "max_tokens": 2, "temperature": 0, "echo": True,
+                                                    "logprobs": 3}).json()["choices"][0]
+    logprobs = out["logprobs"]
+    assert len(logprobs["tokens"]) == len(ids) + 2 and out["text"].startswith("hello wor")
+    assert logprobs["token_logprobs"][0] is None and logprobs["top_logprobs"][0] is None
+    for k in range(1, len(ids)):
+        alone = spec_server.post("/v1/completions", json={"prompt": ids[:k], "max_tokens": 1, "temperature": 0,
+                                                          "logprobs": 3}).json()["choices"][0]["logprobs"]
+        echoed = logprobs["top_logprobs"][k]
+        assert echoed.keys() == alone["top_logprobs"][0].keys()
+        assert all(abs(echoed[t] - alone["top_logprobs"][0][t]) < 1e-6 for t in echoed)
+        assert logprobs["token_logprobs"][k] <= max(echoed.values()) + 1e-9
+    # The generated tokens' entries follow the prompt's, as without echo.
+    plain = spec_server.post("/v1/completions", json={"prompt": ids, "max_tokens": 2, "temperature": 0,
+                                                      "logprobs": 3}).json()["choices"][0]["logprobs"]
+    assert logprobs["token_logprobs"][len(ids):] == plain["token_logprobs"]

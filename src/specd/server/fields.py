@@ -60,9 +60,6 @@ def _judge_completion(body: Mapping[str, Any]) -> list[Offense]:
     if isinstance(suffix, str) and suffix:
         out.append(Offense("suffix", "only null or \"\" is supported: specd does not insert text before a suffix "
                            "(fill-in-the-middle)", "unsupported_value"))
-    if body.get("echo") is True and body.get("logprobs") is not None:
-        out.append(Offense("echo", "with logprobs would need the prompt tokens' logprobs, which specd does not "
-                           "compute: echo without logprobs, or logprobs without echo", "unsupported_value"))
     return out
 
 

@@ -207,8 +207,8 @@ class Usage(BaseModel):
 
 class CompletionLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None
+    token_logprobs: list[float | None]  # None: an echoed prompt's first token (nothing precedes it)
+    top_logprobs: list[dict[str, float] | None] | None
     text_offset: list[int]
 
 

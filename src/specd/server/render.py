@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from pydantic import BaseModel
 
@@ -114,39 +115,60 @@ class Renderer(ABC):
     def response(self, choices: list[ChoiceState], usage: Usage) -> BaseModel: ...
 
 
+class EchoedPrompt(NamedTuple):
+    """A prompt written back before its choices (completions `echo`): its text and, with logprobs, its tokens and
+    their logprobs (entry i is token i + 1; the first token has none)."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None
+
+
 class CompletionRenderer(Renderer):
-    """echo: each prompt's text, written before its choices' output (prompt p's choices are p * n .. p * n + n - 1);
+    """echo: each prompt, written before its choices' output (prompt p's choices are p * n .. p * n + n - 1);
     None without echo."""
 
     def __init__(self, response_id: str, created: int, model: str, top_logprobs: int | None,
-                 tokenizer: Tokenizer | None, echo: list[str] | None = None, n: int = 1) -> None:
+                 tokenizer: Tokenizer | None, echo: list[EchoedPrompt] | None = None, n: int = 1) -> None:
         super().__init__(response_id, created, model, top_logprobs, tokenizer)
         self._echo = echo
         self._n = n
 
-    def _echoed(self, choice: ChoiceState) -> str:
-        """The prompt text, the first time a choice is written (then "")."""
+    def set_echo(self, echo: list[EchoedPrompt]) -> None:
+        self._echo = echo
+
+    def _echoed(self, choice: ChoiceState) -> EchoedPrompt | None:
+        """The choice's prompt, the first time the choice is written (then None)."""
         if self._echo is None or choice.echoed:
-            return ""
+            return None
         choice.echoed = True
         return self._echo[choice.index // self._n]
 
-    def _logprobs(self, choice: ChoiceState, logprobs: list[TokenLogprob]) -> CompletionLogprobs | None:
+    def _logprobs(self, choice: ChoiceState, logprobs: list[TokenLogprob],
+                  echo: EchoedPrompt | None) -> CompletionLogprobs | None:
         if self.top_logprobs is None:
             return None
-        tokens = [self.token_text(lp.token_id) for lp in logprobs]
+        prompt: list[TokenLogprob | None] = []
+        token_ids = [lp.token_id for lp in logprobs]
+        if echo is not None and echo.logprobs is not None:
+            prompt = [None, *echo.logprobs][: len(echo.token_ids)]
+            token_ids = echo.token_ids + token_ids
+        entries: list[TokenLogprob | None] = [*prompt, *logprobs]
+        tokens = [self.token_text(t) for t in token_ids]
         offsets = []
         for token in tokens:
             offsets.append(choice.token_chars)
             choice.token_chars += len(token)
-        top = [{self.token_text(t): v for t, v in lp.top} for lp in logprobs] if self.top_logprobs > 0 else None
-        return CompletionLogprobs(tokens=tokens, token_logprobs=[lp.logprob for lp in logprobs], top_logprobs=top,
-                                  text_offset=offsets)
+        top = [None if lp is None else {self.token_text(t): v for t, v in lp.top} for lp in entries] \
+            if self.top_logprobs > 0 else None
+        return CompletionLogprobs(tokens=tokens, token_logprobs=[None if lp is None else lp.logprob for lp in entries],
+                                  top_logprobs=top, text_offset=offsets)
 
     def chunk(self, choice: ChoiceState, delta: RequestDelta) -> str:
-        out = CompletionChoice(index=choice.index, text=self._echoed(choice) + delta.new_text,
+        echo = self._echoed(choice)
+        out = CompletionChoice(index=choice.index, text=("" if echo is None else echo.text) + delta.new_text,
                                finish_reason=delta.finish_reason,
-                               logprobs=self._logprobs(choice, delta.new_logprobs or []))
+                               logprobs=self._logprobs(choice, delta.new_logprobs or [], echo))
         return CompletionResponse(id=self.response_id, created=self.created, model=self.model,
                                   choices=[out]).model_dump_json()
 
@@ -155,8 +177,11 @@ class CompletionRenderer(Renderer):
                                   usage=usage).model_dump_json()
 
     def response(self, choices: list[ChoiceState], usage: Usage) -> CompletionResponse:
-        out = [CompletionChoice(index=c.index, text=self._echoed(c) + "".join(c.text), finish_reason=c.finish_reason,
-                                logprobs=self._logprobs(c, c.logprobs)) for c in choices]
+        out = []
+        for c in choices:
+            echo = self._echoed(c)
+            out.append(CompletionChoice(index=c.index, text=("" if echo is None else echo.text) + "".join(c.text),
+                                        finish_reason=c.finish_reason, logprobs=self._logprobs(c, c.logprobs, echo)))
         return CompletionResponse(id=self.response_id, created=self.created, model=self.model, choices=out,
                                   usage=usage)
 

@@ -38,7 +38,14 @@ from specd.server.protocol import (
     CompletionRequest,
     SamplingRequest,
 )
-from specd.server.render import ChatRenderer, ChoiceState, CompletionRenderer, Renderer, request_usage
+from specd.server.render import (
+    ChatRenderer,
+    ChoiceState,
+    CompletionRenderer,
+    EchoedPrompt,
+    Renderer,
+    request_usage,
+)
 from specd.server.structured import calls_tools, structured_output
 
 _DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to "what fits"
@@ -135,11 +142,14 @@ class OpenAIServing:
         num_prompts = 1 if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else len(prompt)
         self._check_capacity(num_prompts, request.n, names)  # before tokenizing any of them
         prompts = self._completion_prompts(prompt)
-        echo = [p.text if p.text is not None else self._decode(p.token_ids) for p in prompts] if request.echo \
-            else None
         renderer = CompletionRenderer(f"cmpl-{uuid.uuid4().hex}", int(time.time()), self.model_name,
-                                      request.logprobs, self._llm.tokenizer, echo, request.n)
-        return self._prepared(request, prompts, names, renderer, ignored)
+                                      request.logprobs, self._llm.tokenizer, None, request.n)
+        prepared = self._prepared(request, prompts, names, renderer, ignored)
+        if request.echo:
+            # After the engine requests are built, so their checks (logprobs range, lengths) come first.
+            renderer.set_echo([self._echoed(p, r.prompt, request.logprobs)
+                               for p, r in zip(prompts, prepared.engine_requests[:: request.n])])
+        return prepared
 
     def _prepare_chat(self, body: bytes) -> _Prepared:
         request, ignored = parse_request(body, ChatCompletionRequest)
@@ -175,10 +185,16 @@ class OpenAIServing:
             logger.warning("request field '%s' is accepted but never used for generation (metadata); it is listed in "
                            "the %s response header (logged once)", name, IGNORED_FIELDS_HEADER)
 
-    def _decode(self, token_ids: list[int]) -> str:
-        if self._llm.tokenizer is None:
-            raise bad_request("echo needs a tokenizer to write the prompt back as text", "echo")
-        return self._llm.tokenizer.decode(token_ids, skip_special_tokens=False)
+    def _echoed(self, prompt: PromptInput, validated: Prompt, logprobs: int | None) -> EchoedPrompt:
+        """A prompt written back (echo): its text, and with logprobs its tokens' logprobs (one extra forward)."""
+        token_ids = list(validated.token_ids)
+        text = prompt.text
+        if text is None:
+            if self._llm.tokenizer is None:
+                raise bad_request("echo needs a tokenizer to write a token-id prompt back as text", "echo")
+            text = self._llm.tokenizer.decode(token_ids)
+        scored = None if logprobs is None else self._llm.prompt_logprobs(validated, logprobs)
+        return EchoedPrompt(text, token_ids, scored)
 
     def _validated(self, prompt: PromptInput, names: _FieldNames) -> Prompt:
         """Validated once, here (tokenized already, with this server's special-token rule); the engine takes the
