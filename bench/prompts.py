@@ -293,7 +293,42 @@ _CHAT = [
     ("city_or_country", "Is it better to live in a city or in the countryside?"),
 ]
 
-_BY_KIND = {"rewrite": _REWRITE, "code": _CODE, "docqa": _DOCQA, "chat": _CHAT}
+# ---------------------------------------------------------------------------------------------- extract
+# JSON extraction from a given text under a JSON schema (structured output). Not one of KINDS: its prompts need
+# their schema (EXTRACT_SCHEMAS) to mean anything, and only bench/spec.py passes it (`--kinds extract`).
+EXTRACT_KIND = "extract"
+_PERSON = {"type": "object", "properties": {
+    "name": {"type": "string"}, "age": {"type": "integer"}, "city": {"type": "string"}, "job": {"type": "string"}},
+    "required": ["name", "age", "city", "job"], "additionalProperties": False}
+_ORDER = {"type": "object", "properties": {
+    "order_id": {"type": "string"}, "items": {"type": "array", "items": {"type": "object", "properties": {
+        "product": {"type": "string"}, "quantity": {"type": "integer"}}, "required": ["product", "quantity"],
+        "additionalProperties": False}}, "total_eur": {"type": "number"}},
+    "required": ["order_id", "items", "total_eur"], "additionalProperties": False}
+_EVENT = {"type": "object", "properties": {
+    "title": {"type": "string"}, "date": {"type": "string"}, "place": {"type": "string"},
+    "speakers": {"type": "array", "items": {"type": "string"}}},
+    "required": ["title", "date", "place", "speakers"], "additionalProperties": False}
+_EXTRACT = [
+    ("person_baker", "Extract the person as JSON (name, age, city, job).\n\nText: Maria Lopez is a 34-year-old "
+     "baker who lives in Valencia. She opens her shop at six every morning."),
+    ("order_shop", "Extract the order as JSON (order_id, items with product and quantity, total_eur).\n\nText: "
+     "Order A-1187 contains two blue mugs, one teapot and four packs of green tea. The total is 46.50 euros."),
+    ("event_meetup", "Extract the event as JSON (title, date, place, speakers).\n\nText: The Python Meetup "
+     "Spring Session takes place on 12 April 2025 at the City Library in Ghent. Talks are given by Anna Peeters "
+     "and Tom Janssens."),
+    ("person_pilot", "Extract the person as JSON (name, age, city, job).\n\nText: Our new colleague, Kenji "
+     "Sato, is 41. He flew cargo planes for ten years and now lives in Osaka, where he works as a pilot "
+     "instructor."),
+    ("order_bikes", "Extract the order as JSON (order_id, items with product and quantity, total_eur).\n\n"
+     "Text: For order B-2090 the customer bought one city bike, two helmets and a lock, paying 689.00 euros."),
+    ("event_concert", "Extract the event as JSON (title, date, place, speakers).\n\nText: The Winter Strings "
+     "concert is on 3 December 2024 in the Old Church of Leiden, with short introductions by Eva de Boer."),
+]
+EXTRACT_SCHEMAS = {name: schema for (name, _), schema in zip(
+    _EXTRACT, [_PERSON, _ORDER, _EVENT, _PERSON, _ORDER, _EVENT])}
+
+_BY_KIND = {"rewrite": _REWRITE, "code": _CODE, "docqa": _DOCQA, "chat": _CHAT, EXTRACT_KIND: _EXTRACT}
 
 
 def prompts_of(kind: str) -> list[Prompt]:

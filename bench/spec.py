@@ -1,6 +1,6 @@
 """Speculation speed-ups on the default model: proposer x k x k policy vs plain decoding, side by side.
 
-    .venv/bin/python bench/spec.py [--dtype float32|bfloat16|int4] [--kinds rewrite code docqa chat]
+    .venv/bin/python bench/spec.py [--dtype float32|bfloat16|int4] [--kinds rewrite code docqa chat extract]
         [--batch-sizes 1 8] [--ks 2 4 8] [--layerskip-ks 4] [--eagle-ks 2 4 6] [--methods ngram layerskip eagle]
         [--max-tokens 128]
         [--num-prompts 2] [--draft-layers 8] [--skip-transformers] [--threads N] [--json rows.json]
@@ -13,6 +13,12 @@ change of machine load during the group is visible (stderr prints both) and shar
 model is loaded and shared by every configuration; each configuration gets a fresh LLM around it, so its
 get_metrics() covers exactly that run (acceptance A/T, A/D, tau = 1 + A/D, tokens per target forward, all
 pooled). `match` is the share of requests whose token ids equal plain decoding's (greedy is lossless).
+
+Kind `extract` (not in the default kinds) is structured output: JSON extraction from a given text, each prompt
+constrained by its JSON schema (bench/prompts.py EXTRACT_SCHEMAS), batch 1 only and without the transformers peer
+(it has no constrained decoding here). For it the summary also counts the output tokens the grammar forced (the
+only token allowed there): a proposer that drafts them for free could at best emit every forced run in the step
+of the token before it, so total / unforced tokens bounds its tau.
 
 Peer: transformers' prompt lookup decoding (`prompt_lookup_num_tokens=k`, batch 1 only) against
 transformers' plain `generate`, on the same token ids and stopping at the same EOS, in the same run.
@@ -38,12 +44,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import load_transformers, markdown_table, timed
-from prompts import KINDS, prompts_of
+from prompts import EXTRACT_KIND, EXTRACT_SCHEMAS, KINDS, prompts_of
 from specd.config import DTYPES, EngineConfig, SpeculationConfig
 from specd.llm import LLM
 from specd.model.llama import LlamaForCausalLM
 from specd.model.tokenizer import Tokenizer
-from specd.sampling.params import SamplingParams
+from specd.sampling.grammar import GrammarCompiler
+from specd.sampling.params import SamplingParams, StructuredOutput
 
 EOS_TOKEN_ID = 2  # <|im_end|> of SmolLM2-Instruct; specd stops on the tokenizer's EOS, transformers is told
 POLICIES = {"ngram": ("fixed", "heuristic", "goodput"), "layerskip": ("fixed", "heuristic", "confidence"),
@@ -133,15 +140,18 @@ def engine_config(args: argparse.Namespace, setting: Setting) -> EngineConfig:
 
 def run_specd(
     model: LlamaForCausalLM, tokenizer: Tokenizer, config: EngineConfig, prompt_ids: list[list[int]], batch: int,
-    max_tokens: int,
+    max_tokens: int, structured: Sequence[StructuredOutput] | None = None,
 ) -> Run:
-    """Generate with a fresh LLM around the shared model: one request at a time (batch 1) or all at once."""
+    """Generate with a fresh LLM around the shared model: one request at a time (batch 1) or all at once.
+    `structured`: one constraint per prompt (kind extract)."""
     llm = LLM.from_model(model, tokenizer, config)
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
+    params = [SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                             structured=None if structured is None else structured[i]) for i in range(len(prompt_ids))]
 
     def generate() -> list[list[int]]:
-        groups = [[ids] for ids in prompt_ids] if batch == 1 else [prompt_ids]
-        outs = [o for g in groups for o in llm.generate(prompt_token_ids=g, sampling_params=params)]
+        groups = [[i] for i in range(len(prompt_ids))] if batch == 1 else [list(range(len(prompt_ids)))]
+        outs = [o for g in groups for o in llm.generate(prompt_token_ids=[prompt_ids[i] for i in g],
+                                                         sampling_params=[params[i] for i in g])]
         return [o.outputs[0].token_ids for o in outs]
 
     token_ids, seconds = timed(generate)
@@ -282,11 +292,32 @@ def summary(rows: list[Row], kinds: Sequence[str], peer_agreement: dict[str, flo
     return "\n".join(lines)
 
 
+def extract_constraints(num_prompts: int) -> list[StructuredOutput]:
+    return [StructuredOutput("json_schema", EXTRACT_SCHEMAS[p.name]) for p in prompts_of(EXTRACT_KIND)[:num_prompts]]
+
+
+def forced_counts(tokenizer: Tokenizer, vocab_size: int, outputs: list[list[int]],
+                  constraints: list[StructuredOutput]) -> tuple[int, int]:
+    """(forced, total) output tokens: forced where the grammar allowed that token alone (replayed per token)."""
+    compiler = GrammarCompiler(tokenizer.backend_json(), vocab_size, tokenizer.eos_token_ids)
+    forced = total = 0
+    for tokens, constraint in zip(outputs, constraints, strict=True):
+        grammar = compiler.json_schema(constraint.value)
+        for token in tokens:
+            if token in tokenizer.eos_token_ids and grammar.finished:
+                break
+            forced += bool(grammar.forced_tokens())
+            total += 1
+            grammar.advance([token])
+    return forced, total
+
+
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", choices=["float32", "bfloat16", "int4"], default="bfloat16",
                     help="specd dtype; transformers runs in float32, or bfloat16 for bfloat16 and int4")
-    ap.add_argument("--kinds", nargs="+", choices=KINDS, default=list(KINDS))
+    ap.add_argument("--kinds", nargs="+", choices=[*KINDS, EXTRACT_KIND], default=list(KINDS),
+                    help=f"{EXTRACT_KIND}: structured output (JSON extraction under a schema), not in the default set")
     ap.add_argument("--batch-sizes", nargs="+", type=int, choices=[1, 8], default=[1, 8])
     ap.add_argument("--ks", nargs="+", type=int, default=[2, 4, 8], help="k of ngram and of transformers' lookup")
     ap.add_argument("--layerskip-ks", nargs="+", type=int, default=[4], help="k of layerskip (full grid: 2 4 8)")
@@ -318,18 +349,31 @@ def main() -> None:
     progress(f"loaded; {len(settings)} speculative settings per (kind, batch)")
     rows: list[Row] = []
     peer_agreement: dict[str, float] = {}
+    forced_lines: list[str] = []
     for kind in args.kinds:
         all_ids = chat_token_ids(tokenizer, kind)
+        extract = kind == EXTRACT_KIND
         for batch in args.batch_sizes:
+            if extract and batch != 1:
+                progress(f"{kind}: batch 1 only (it has {len(all_ids)} prompts); batch {batch} skipped")
+                continue
             prompt_ids = all_ids[: args.num_prompts] if batch == 1 else all_ids[:batch]
+            constraints = extract_constraints(len(prompt_ids)) if extract else None
 
-            def run_one(setting: Setting, ids: list[list[int]] = prompt_ids, batch: int = batch) -> Run:
-                return run_specd(model, tokenizer, engine_config(args, setting), ids, batch, args.max_tokens)
+            def run_one(setting: Setting, ids: list[list[int]] = prompt_ids, batch: int = batch,
+                        constraints: list[StructuredOutput] | None = constraints) -> Run:
+                return run_specd(model, tokenizer, engine_config(args, setting), ids, batch, args.max_tokens,
+                                 constraints)
 
             group = measure_group("specd", kind, batch, settings, run_one, args.repeats)
             rows += group.rows
             gc.collect()
-            if hf_model is not None and batch == 1:
+            if constraints is not None:
+                forced, total = forced_counts(tokenizer, model.config.vocab_size, group.plain.token_ids, constraints)
+                forced_lines.append(
+                    f"- {kind}: the grammar forced {forced} of {total} output tokens ({forced / max(total, 1):.0%}); "
+                    f"drafting them for free could at best reach tau = {total / max(total - forced, 1):.2f}")
+            if hf_model is not None and batch == 1 and not extract:
 
                 def run_hf(setting: Setting, ids: list[list[int]] = prompt_ids) -> Run:
                     return run_transformers(hf_model, ids, args.max_tokens, setting.k)
@@ -342,6 +386,7 @@ def main() -> None:
         print(f"\n### batch {batch} ({args.dtype}, max_tokens {args.max_tokens}, greedy, stop at EOS)\n")
         print(table([r for r in rows if r.batch == batch]))
     print(summary(rows, args.kinds, peer_agreement))
+    print("\n".join(forced_lines))
     if args.json:
         settings_json = {key: str(value) if isinstance(value, Path) else value for key, value in vars(args).items()}
         args.json.write_text(json.dumps({"args": settings_json, "rows": [asdict(r) for r in rows]}, indent=1))

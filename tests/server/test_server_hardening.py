@@ -262,9 +262,12 @@ def test_cors_is_off_unless_configured(guarded, make_llm, start_server):
         other = httpx.options(f"{live.url}/v1/completions", headers={**preflight, "Origin": "https://evil.example"},
                               timeout=10)
         assert other.headers.get("access-control-allow-origin") != "https://evil.example"
-        answer = live.post("/v1/completions", json={"prompt": "x", "max_tokens": 1},
+        answer = live.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "user": "u"},
                            headers={**live.auth, "Origin": "https://app.example"})
         assert answer.headers["access-control-allow-origin"] == "https://app.example"
+        # A page may read which of its fields were ignored.
+        assert answer.headers["x-specd-ignored-fields"] == "user"
+        assert "x-specd-ignored-fields" in answer.headers["access-control-expose-headers"]
 
 
 def test_every_error_status_is_counted(guarded):

@@ -47,7 +47,7 @@ from specd.server.protocol import (
     SpeculationInfo,
 )
 from specd.server.runner import make_server
-from specd.server.serving import OpenAIServing
+from specd.server.serving import IGNORED_FIELDS_HEADER, OpenAIServing
 from specd.server.settings import DEFAULT_MAX_BODY_BYTES, ServerSettings
 
 __all__ = ["ServerSettings", "add_serve_arguments", "build_app", "serve", "serve_from_args"]
@@ -90,7 +90,7 @@ def build_app(llm: LLM, settings: ServerSettings, registry: CollectorRegistry) -
     if settings.cors_allow_origins:
         app.add_middleware(
             CORSMiddleware, allow_origins=list(settings.cors_allow_origins), allow_methods=["GET", "POST"],
-            allow_headers=["Authorization", "Content-Type"], max_age=600,
+            allow_headers=["Authorization", "Content-Type"], expose_headers=[IGNORED_FIELDS_HEADER], max_age=600,
         )
 
     def error_response(status_code: int, info: ErrorInfo, headers: dict[str, str] | None = None) -> Response:
