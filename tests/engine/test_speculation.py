@@ -45,7 +45,8 @@ def _spec(method, k, policy, **extra):
     [("ngram", "fixed"), ("ngram", "heuristic"), ("ngram", "goodput"), ("layerskip", "fixed"),
      ("layerskip", "heuristic"), ("layerskip", "confidence"), ("draft", "fixed"), ("draft", "heuristic"),
      ("draft", "confidence"), ("eagle", "fixed"), ("eagle", "heuristic"), ("eagle", "confidence"),
-     ("hybrid", "fixed"), ("hybrid", "confidence")],
+     ("hybrid", "fixed"), ("hybrid", "confidence"), ("ngram", "adaptive"), ("layerskip", "adaptive"),
+     ("draft", "adaptive"), ("eagle", "adaptive"), ("hybrid", "adaptive")],
 )
 def test_greedy_lossless_every_proposer_and_policy(make_llm, tiny_model, draft_model, method, policy, k):
     plain = _plain(make_llm)
@@ -210,6 +211,7 @@ SAMPLED_COMBOS = [
     ("draft", "fixed"), ("draft", "heuristic"), ("draft", "confidence"),
     ("layerskip", "fixed"), ("layerskip", "heuristic"), ("layerskip", "confidence"),
     ("eagle", "fixed"), ("eagle", "confidence"), ("hybrid", "fixed"),
+    ("ngram", "adaptive"), ("draft", "adaptive"), ("eagle", "adaptive"),
     ("broken-residual", "fixed"),
 ]
 

@@ -62,6 +62,7 @@ class _StepProgress:
 
     started: float
     decode_only: bool
+    num_seqs: int = 0
     proposed: float = 0.0
     forward_done: float = 0.0
     verified: float = 0.0
@@ -223,7 +224,9 @@ class LLMEngine:
         scheduled = self.scheduler.schedule(self.speculator.wanted_k(self.scheduler.running, load)).scheduled
         if not scheduled:
             return StepResult(deltas, 0)
-        progress = _StepProgress(time.perf_counter(), decode_only=not any(w.is_prefill for w in scheduled))
+        progress = _StepProgress(
+            time.perf_counter(), decode_only=not any(w.is_prefill for w in scheduled), num_seqs=len(scheduled)
+        )
         error: Exception | None = None
         try:
             self._run(scheduled, progress)
@@ -320,6 +323,8 @@ class LLMEngine:
             step_s=time.perf_counter() - progress.started,
             num_emitted=sum(done.num_emitted for done in committed),
             decode_only=progress.decode_only,
+            propose_s=progress.proposed - progress.started,
+            num_seqs=progress.num_seqs,
         )
         self.speculator.observe(report)
         self.recorder.record_counts(

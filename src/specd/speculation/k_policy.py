@@ -74,6 +74,8 @@ class StepReport(NamedTuple):
     step_s: float  # wall time of the whole step (propose .. commit)
     num_emitted: int  # tokens the step emitted, all sequences together
     decode_only: bool
+    propose_s: float = 0.0  # wall time of drafting (propose, keep, constraint cuts), part of step_s
+    num_seqs: int = 0  # sequences in the target forward (decode and prefill); 0: unknown, len(outcomes) then
 
 
 class KPolicy(Protocol):

@@ -7,6 +7,7 @@ choices from this registry; which proposers a policy works with, its class decla
 from __future__ import annotations
 
 from specd.speculation.k_policy import KPolicy
+from specd.speculation.policies.adaptive import AdaptiveK
 from specd.speculation.policies.confidence import ConfidenceK
 from specd.speculation.policies.fixed import FixedK
 from specd.speculation.policies.goodput import GoodputK
@@ -17,4 +18,5 @@ K_POLICIES: dict[str, type[KPolicy]] = {
     "heuristic": HeuristicK,
     "confidence": ConfidenceK,
     "goodput": GoodputK,
+    "adaptive": AdaptiveK,
 }

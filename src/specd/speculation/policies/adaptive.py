@@ -1,0 +1,250 @@
+"""The `adaptive` k policy: the k_i that maximise the batch's expected emitted tokens per second of step time,
+from what the engine measured about this batch size, these sequences and this proposer. Works with every proposer.
+
+A step with k_i draft tokens for sequence i is expected to emit
+
+    E = sum_i (1 + sum_{j < k_i} v_ij),    v_ij = prod_{l <= j} p_i(l)
+
+tokens (draft j is emitted only if drafts 0..j were all accepted; p_i(l) is this sequence's acceptance at
+position l), and to take
+
+    T = F(S, S + sum_i k_i) + D(S_d) * max_i k_i
+
+seconds: F the step besides drafting at S sequences and R new tokens, D what one more draft position costs when
+S_d sequences draft (about 0 for prompt lookup, one draft/head forward for a model-based proposer). Both come
+from policies/step_cost.py, learned from every step's measured times. The policy picks the k that maximises E / T:
+for each cap K on the number of positions (a model-based proposer pays per position, whoever uses it), the draft
+tokens below K in falling v_ij, added while v_ij > (E / T) * dF/dR (each one raises the rate); the best cap
+wins, and it must beat plain decoding (all k_i = 0) by MARGIN or every k_i is 0. Since v_ij falls with j, every
+k_i is a prefix. As S grows, dF/dR grows towards F / S (a CPU forward turns compute-bound) while E / T stays near
+its plain value, so the price of a draft token climbs past any v_ij and k falls to 0 within a step of the load
+arriving; when the load leaves, the cells measured at small S price drafts cheaply again, so k comes back.
+
+Where it decides: `plan` chooses k_i before drafting, so a model-based proposer drafts no more than pays; `keep`
+re-decides after drafting with the step as formed (prompt chunks included) and the draft's bucket (ngram: its
+match length), counting drafting as already paid, so it can only cut. Acceptance is counted per (bucket,
+position), engine-wide and per sequence (shrunk towards the engine-wide value, so a sequence that copies well
+earns long drafts and one that does not is cut), with a bucket-blind count for `plan`; one policy instance
+serves one engine, so the estimates are also per proposer. A sequence that drafted nothing for PROBE_INTERVAL
+steps verifies one token anyway: estimates only change through verified tokens, and the forward's cost at
+R > S is only measured by drafting. Until the forward's cost was measured at three points, it drafts k_max
+(exploring, which is how those points get measured).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, NamedTuple
+
+from specd.speculation.k_policy import DraftSpan, EngineLoad, KPolicy, StepReport, StepView
+from specd.speculation.policies.step_cost import DraftCost, ForwardCost
+
+if TYPE_CHECKING:
+    from specd.config import SpeculationConfig
+
+MARGIN = 0.03  # drafting must promise this much more than plain decoding: estimates are noisy, a tax is not
+PROBE_INTERVAL = 16
+_PRIOR = (1.0, 2.0)  # (accepted, reached) pseudo-counts: an unseen position is worth 0.5
+_SEQ_PRIOR_WEIGHT = 4.0
+_HALVE_AT = 512.0
+_MAX_BUCKET = 64
+_ANY_BUCKET = -1  # the bucket-blind counts `plan` reads (the draft's bucket is known only after drafting)
+# Caps tried when drafting costs per position; with free drafts only the largest can win.
+_CAPS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, 48, 64)
+
+
+@dataclass(slots=True)
+class _Counts:
+    accepted: list[float] = field(default_factory=list)
+    reached: list[float] = field(default_factory=list)
+
+    def add(self, num_drafted: int, num_accepted: int, halve_at: float | None) -> None:
+        """Positions 0..min(k, a + 1) - 1 were scored by the target; 0..a - 1 were accepted."""
+        reached = min(num_drafted, num_accepted + 1)
+        while len(self.reached) < reached:
+            self.accepted.append(0.0)
+            self.reached.append(0.0)
+        for j in range(reached):
+            self.reached[j] += 1.0
+            self.accepted[j] += 1.0 if j < num_accepted else 0.0
+            if halve_at is not None and self.reached[j] > halve_at:
+                self.reached[j] /= 2
+                self.accepted[j] /= 2
+
+
+class Acceptance:
+    """P(draft position j accepted | reached), per (bucket, position), engine-wide and per sequence."""
+
+    def __init__(self) -> None:
+        self._global: dict[int, _Counts] = {}
+        self._per_seq: dict[int, dict[int, _Counts]] = {}
+
+    def prob(self, seq_id: int, bucket: int, position: int) -> float:
+        g = self._global.get(bucket)
+        accepted, reached = 0.0, 0.0
+        if g is not None and position < len(g.reached):
+            accepted, reached = g.accepted[position], g.reached[position]
+        p_global = (accepted + _PRIOR[0]) / (reached + _PRIOR[1])
+        own = self._per_seq.get(seq_id, {}).get(bucket)
+        if own is None or position >= len(own.reached):
+            return p_global
+        return (own.accepted[position] + _SEQ_PRIOR_WEIGHT * p_global) / (own.reached[position] + _SEQ_PRIOR_WEIGHT)
+
+    def values(self, seq_id: int, bucket: int, length: int) -> list[float]:
+        """v_j = prod_{l <= j} p(l) for j < length: the expected emitted tokens each draft position adds."""
+        out: list[float] = []
+        survive = 1.0
+        for j in range(length):
+            survive *= self.prob(seq_id, bucket, j)
+            out.append(survive)
+        return out
+
+    def observe(self, seq_id: int, bucket: int, num_drafted: int, num_accepted: int) -> None:
+        if num_drafted <= 0:
+            return
+        for b in {min(bucket, _MAX_BUCKET), _ANY_BUCKET}:
+            self._global.setdefault(b, _Counts()).add(num_drafted, num_accepted, _HALVE_AT)
+            self._per_seq.setdefault(seq_id, {}).setdefault(b, _Counts()).add(num_drafted, num_accepted, None)
+
+    def release(self, seq_id: int) -> None:
+        self._per_seq.pop(seq_id, None)
+
+    def snapshot(self) -> dict[str, list[float]]:
+        return {str(b): [round(self.prob(-1, b, j), 4) for j in range(len(c.reached))]
+                for b, c in sorted(self._global.items())}
+
+
+class Decision(NamedTuple):
+    """k_i per sequence, why, and the rates compared (tokens/s predicted; None while exploring)."""
+
+    k: list[int]
+    cause: str  # "draft" | "cost" (plain decoding predicted at least as fast) | "explore" (cost not measured yet)
+    rate_plain: float | None
+    rate_chosen: float | None
+
+
+def choose(
+    values: Sequence[Sequence[float]], num_seqs: int, base_rows: int, max_rows: int,
+    forward: ForwardCost, draft_per_position: float,
+) -> Decision:
+    """The k_i (k_i <= len(values[i])) that maximise expected emitted tokens per second for a step of num_seqs
+    sequences and base_rows new tokens besides these drafts, at most max_rows new tokens in all.
+    draft_per_position: seconds one more draft position adds (0: drafts are made or free)."""
+    longest = max((len(row) for row in values), default=0)
+    cost = forward.at(num_seqs, base_rows + sum(len(row) for row in values) // 2)
+    if cost is None:
+        return Decision([len(row) for row in values], "explore", None, None)  # the scheduler cuts to the budget
+    plain_seconds = max(cost.seconds - cost.seconds_per_row * (sum(len(row) for row in values) // 2), 1e-9)
+    rate_plain = num_seqs / plain_seconds
+    best = (rate_plain * (1.0 + MARGIN), 0, 0)  # (rate, cap, number of tokens kept)
+    # Every draft token, most valuable first; within a sequence position order breaks ties, so kept = prefixes.
+    ranked = sorted((-v, j, i) for i, row in enumerate(values) for j, v in enumerate(row))
+    caps = [c for c in _CAPS if c < longest] + [longest] if draft_per_position > 0.0 else [longest]
+    for cap in caps:
+        if cap == 0:
+            continue
+        emitted, seconds, kept = float(num_seqs), plain_seconds + draft_per_position * cap, 0
+        rows = base_rows
+        for neg_value, j, _ in ranked:
+            if j >= cap:
+                continue
+            if rows >= max_rows or -neg_value * seconds <= emitted * cost.seconds_per_row:
+                break
+            emitted, seconds, kept, rows = emitted - neg_value, seconds + cost.seconds_per_row, kept + 1, rows + 1
+        if emitted / seconds > best[0]:
+            best = (emitted / seconds, cap, kept)
+    k = [0] * len(values)
+    _, cap, kept = best
+    for i in [i for _, j, i in ranked if j < cap][:kept]:
+        k[i] += 1
+    return Decision(k, "draft" if kept else "cost", rate_plain, best[0] if kept else rate_plain)
+
+
+class AdaptiveK(KPolicy):
+    """The adaptive policy (see the module docstring). Estimates are engine-wide: it learns acceptance from every
+    sequence's drafts and cost from every step, whichever policy those sequences use."""
+
+    def __init__(self) -> None:
+        self.forward = ForwardCost()
+        self.draft = DraftCost()
+        self.acceptance = Acceptance()
+        self._k_max: dict[int, int] = {}
+        self._idle: dict[int, int] = {}  # seq_id -> consecutive steps it verified no draft token
+        self.last_decision: Decision | None = None
+        # Sequence-steps that verified no draft token, by cause: "cost" (planned 0: plain decoding predicted as
+        # fast), "cut" (planned > 0, but the proposer found nothing, the budget or `keep` cut it).
+        self.zero_k_causes: dict[str, int] = {"cost": 0, "cut": 0}
+        self._planned: dict[int, int] = {}  # seq_id -> k_i of its last plan (for the causes above only)
+        self.num_probes = 0
+
+    @classmethod
+    def from_config(cls, spec: SpeculationConfig) -> AdaptiveK:
+        return cls()
+
+    def add(self, seq_id: int, k_max: int) -> None:
+        self._k_max[seq_id] = k_max
+        self._idle[seq_id] = 0
+
+    def _probing(self, seq_id: int) -> bool:
+        return self._idle.get(seq_id, 0) >= PROBE_INTERVAL
+
+    def plan(self, seq_ids: Sequence[int], load: EngineLoad) -> list[int]:
+        num_seqs = max(load.num_running, len(seq_ids))
+        # The scheduler gives drafts at most half of the budget left while prompts wait (it never stalls them).
+        room = load.max_num_batched_tokens - num_seqs
+        max_rows = num_seqs + (room // 2 if load.num_waiting else room)
+        values = [self.acceptance.values(sid, _ANY_BUCKET, self._k_max[sid]) for sid in seq_ids]
+        drafting = sum(1 for sid in seq_ids if self._k_max[sid] > 0)
+        decision = choose(values, num_seqs, num_seqs, max_rows, self.forward, self.draft.per_position(drafting))
+        self.last_decision = decision
+        ks = list(decision.k)
+        for i, sid in enumerate(seq_ids):
+            if ks[i] == 0 and self._probing(sid):
+                ks[i] = 1
+            self._planned[sid] = ks[i]
+        return ks
+
+    def keep(self, drafts: Sequence[DraftSpan], step: StepView) -> list[int]:
+        lengths = [d.num_tokens for d in drafts]
+        values = [self.acceptance.values(d.seq_id, min(d.bucket, _MAX_BUCKET), d.num_tokens) for d in drafts]
+        base_rows = step.num_new_tokens - sum(lengths)
+        decision = choose(values, step.num_seqs, base_rows, step.max_num_batched_tokens, self.forward, 0.0)
+        return [max(k, 1 if self._probing(d.seq_id) and n else 0) for k, d, n in zip(decision.k, drafts, lengths)]
+
+    def observe(self, report: StepReport) -> None:
+        num_seqs = report.num_seqs or len(report.outcomes)
+        self.forward.observe(num_seqs, report.num_new_tokens, report.step_s - report.propose_s)
+        drafted = [o.num_drafted for o in report.outcomes if o.num_drafted > 0]
+        if drafted:
+            self.draft.observe(len(drafted), max(drafted), report.propose_s)
+        for outcome in report.outcomes:
+            self.acceptance.observe(outcome.seq_id, outcome.bucket, outcome.num_drafted, outcome.num_accepted)
+            if outcome.seq_id in self._idle:
+                if outcome.num_drafted:
+                    self.num_probes += self._probing(outcome.seq_id)
+                    self._idle[outcome.seq_id] = 0
+                else:
+                    self._idle[outcome.seq_id] += 1
+                    self.zero_k_causes["cost" if self._planned.get(outcome.seq_id) == 0 else "cut"] += 1
+
+    def release(self, seq_id: int) -> None:
+        self._k_max.pop(seq_id, None)
+        self._idle.pop(seq_id, None)
+        self._planned.pop(seq_id, None)
+        self.acceptance.release(seq_id)
+
+    def snapshot(self) -> dict[str, object]:
+        last = self.last_decision
+        return {
+            "last_cause": None if last is None else last.cause,
+            "last_k": None if last is None else list(last.k),
+            "predicted_tokens_per_s_plain": None if last is None or last.rate_plain is None
+            else round(last.rate_plain, 3),
+            "predicted_tokens_per_s_chosen": None if last is None or last.rate_chosen is None
+            else round(last.rate_chosen, 3),
+            "zero_k_sequence_steps": dict(self.zero_k_causes),
+            "probes": self.num_probes,
+            "step_ms_by_seqs_and_rows": self.forward.snapshot(),
+            "accept_prob_by_bucket_and_position": self.acceptance.snapshot(),
+        }

@@ -1,0 +1,153 @@
+"""What a step costs, learned online from the steps the engine runs: the models the `adaptive` k policy prices
+draft tokens with. Plain Python, owned by one engine thread.
+
+Two models, both kept as robust means per measured point ("cell") and read through a local fit:
+
+- `ForwardCost`: seconds of a step besides drafting (target forward, verification, commit) against the number of
+  sequences S in the forward and the number of new tokens R it processes. A draft token adds a row at fixed S, so
+  what it costs is dT/dR at the current (S, R). Read from a kernel-weighted least-squares plane
+  T ~ t0 + b_seqs * (S' - S) + b_rows * (R' - R) through the cells near (S, R): local, because the cost is not
+  linear (flat while the weights dominate, steep once compute does); a plane over many cells, because one
+  forward on a shared CPU varies by +-30%; rows and sequences apart, because adding a sequence also costs its
+  attention and bookkeeping, which a draft token does not pay. While only plain decoding was measured (R = S,
+  the two slopes cannot be told apart) the fit gives the whole slope to rows: the cautious reading.
+- `DraftCost`: seconds of drafting K positions (a model-based proposer runs one draft forward per position)
+  against K, at about the same number of drafting sequences: a line through the origin, fitted near S.
+
+Each cell is a mean of its first samples, then an EMA; once warm, a new sample is clipped to [mean / 2, 2 * mean]
+first, so a step that was descheduled by the OS moves the estimate a little, not a lot.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+_EMA = 0.2  # weight of a new sample in its cell, once the cell has _WARM samples
+_WARM = 4
+_MAX_WEIGHT = 20.0  # a cell's weight in a fit: its sample count, capped
+_MAX_CELLS = 4096  # beyond this, the least-sampled cells are dropped (a long-lived server sees many shapes)
+
+
+class _Cell:
+    __slots__ = ("count", "mean")
+
+    def __init__(self) -> None:
+        self.mean = 0.0
+        self.count = 0
+
+    def add(self, seconds: float) -> None:
+        if self.count >= _WARM and self.mean > 0.0:
+            seconds = min(max(seconds, self.mean / 2), self.mean * 2)
+        self.count += 1
+        weight = 1.0 / self.count if self.count <= _WARM else _EMA
+        self.mean += weight * (seconds - self.mean)
+
+
+def _add(cells: dict[tuple[int, int], _Cell], key: tuple[int, int], seconds: float) -> None:
+    cell = cells.get(key)
+    if cell is None:
+        if len(cells) >= _MAX_CELLS:
+            for stale in sorted(cells, key=lambda k: cells[k].count)[: _MAX_CELLS // 4]:
+                del cells[stale]
+        cell = cells[key] = _Cell()
+    cell.add(seconds)
+
+
+def _kernel(distance: float, bandwidth: float) -> float:
+    return math.exp(-0.5 * (distance / bandwidth) ** 2)
+
+
+class LocalCost(NamedTuple):
+    """The forward's cost around one (S, R): its predicted seconds there and the seconds one more row adds."""
+
+    seconds: float
+    seconds_per_row: float
+
+
+class ForwardCost:
+    """Step seconds besides drafting, by (sequences, new tokens). See the module docstring."""
+
+    def __init__(self) -> None:
+        self._cells: dict[tuple[int, int], _Cell] = {}
+
+    @property
+    def num_cells(self) -> int:
+        return len(self._cells)
+
+    def observe(self, num_seqs: int, num_rows: int, seconds: float) -> None:
+        if num_seqs > 0 and num_rows >= num_seqs and seconds > 0.0 and math.isfinite(seconds):
+            _add(self._cells, (num_seqs, num_rows), seconds)
+
+    def at(self, num_seqs: int, num_rows: int) -> LocalCost | None:
+        """The local plane at (num_seqs, num_rows); None until three cells not on one line were measured."""
+        if len(self._cells) < 3:
+            return None
+        seq_width = max(2.0, 0.25 * num_seqs)
+        row_width = max(4.0, 0.25 * num_rows)
+        # Normal equations of the weighted fit t ~ c0 + c1 * ds + c2 * dr, centred at the query point.
+        m = [[0.0] * 3 for _ in range(3)]
+        v = [0.0] * 3
+        for (s, r), cell in self._cells.items():
+            ds, dr = s - num_seqs, r - num_rows
+            w = min(float(cell.count), _MAX_WEIGHT) * _kernel(ds, seq_width) * _kernel(dr, row_width)
+            w = max(w, 1e-9)  # far cells still break ties when nothing is near
+            x = (1.0, float(ds), float(dr))
+            for a in range(3):
+                v[a] += w * x[a] * cell.mean
+                for b in range(3):
+                    m[a][b] += w * x[a] * x[b]
+        # A small ridge on the sequence slope only: when R - S never varied, rows take the whole slope.
+        m[1][1] += 1e-3 * (m[1][1] + m[0][0])
+        solution = _solve3(m, v)
+        if solution is None:
+            return None
+        seconds, _, per_row = solution
+        if not seconds > 0.0:
+            return None
+        return LocalCost(seconds, max(0.0, per_row))
+
+    def snapshot(self) -> dict[str, float]:
+        """The most-sampled cells' means in ms, keyed "S,R" (at most 12: enough to see the shape)."""
+        top = sorted(self._cells.items(), key=lambda item: -item[1].count)[:12]
+        return {f"{s},{r}": round(cell.mean * 1e3, 3) for (s, r), cell in sorted(top)}
+
+
+class DraftCost:
+    """Drafting seconds per draft position, by (drafting sequences, positions). See the module docstring."""
+
+    def __init__(self) -> None:
+        self._cells: dict[tuple[int, int], _Cell] = {}
+
+    def observe(self, num_drafting: int, num_positions: int, seconds: float) -> None:
+        if num_drafting > 0 and num_positions > 0 and seconds >= 0.0 and math.isfinite(seconds):
+            _add(self._cells, (num_drafting, num_positions), seconds)
+
+    def per_position(self, num_drafting: int) -> float:
+        """Seconds one more draft position costs with `num_drafting` sequences drafting (0 before any draft)."""
+        width = max(2.0, 0.25 * num_drafting)
+        num = den = 0.0
+        for (s, k), cell in self._cells.items():
+            w = min(float(cell.count), _MAX_WEIGHT) * max(_kernel(s - num_drafting, width), 1e-9)
+            num += w * k * cell.mean
+            den += w * k * k
+        return num / den if den > 0.0 else 0.0
+
+
+def _solve3(m: list[list[float]], v: list[float]) -> tuple[float, float, float] | None:
+    """m x = v for a 3x3 system by Cramer's rule; None when (nearly) singular."""
+
+    def det(a: list[list[float]]) -> float:
+        return (a[0][0] * (a[1][1] * a[2][2] - a[1][2] * a[2][1])
+                - a[0][1] * (a[1][0] * a[2][2] - a[1][2] * a[2][0])
+                + a[0][2] * (a[1][0] * a[2][1] - a[1][1] * a[2][0]))
+
+    d = det(m)
+    scale = abs(m[0][0] * m[1][1] * m[2][2])
+    if scale == 0.0 or abs(d) <= 1e-12 * scale:
+        return None
+    out = []
+    for col in range(3):
+        replaced = [[v[row] if c == col else m[row][c] for c in range(3)] for row in range(3)]
+        out.append(det(replaced) / d)
+    return out[0], out[1], out[2]

@@ -1,0 +1,183 @@
+"""The adaptive k policy's decisions on a synthetic cost model: step times come from a formula, never a clock."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from specd.speculation.k_policy import DraftOutcome, DraftSpan, EngineLoad, StepReport, StepView
+from specd.speculation.policies.adaptive import PROBE_INTERVAL, AdaptiveK, choose
+from specd.speculation.policies.step_cost import DraftCost, ForwardCost
+
+BUDGET = 512
+
+
+def weight_bound(num_seqs: int, num_rows: int) -> float:
+    """A memory-bound forward: 50 ms of weights, rows nearly free."""
+    return 0.050 + 0.0001 * num_rows + 0.0002 * num_seqs
+
+
+def compute_bound(num_seqs: int, num_rows: int) -> float:
+    """Flat up to 8 rows, then 4 ms per row: a CPU forward past its arithmetic intensity knee."""
+    return 0.030 + 0.004 * max(0, num_rows - 8) + 0.0005 * num_seqs
+
+
+def _teach_cost(policy: AdaptiveK, cost, seq_counts, max_extra: int = 12, propose_s: float = 0.0) -> None:
+    """Steps at every S in seq_counts and R = S .. S + max_extra, timed by `cost` (outcomes carry no drafts, so
+    acceptance learns nothing from them)."""
+    for _ in range(3):
+        for num_seqs in seq_counts:
+            for extra in range(0, max_extra + 1, 2):
+                rows = num_seqs + extra
+                policy.observe(StepReport(
+                    [DraftOutcome(10_000 + i, 0, 0, 0) for i in range(num_seqs)], rows, 0.0,
+                    cost(num_seqs, rows) + propose_s, num_seqs, True, propose_s=propose_s, num_seqs=num_seqs,
+                ))
+
+
+def _teach_acceptance(
+    policy: AdaptiveK, seq_id: int, rate: float, steps: int = 60, k: int = 8, propose_s: float = 0.0
+) -> None:
+    """Drafts of k tokens, each position accepted with probability `rate` (a seeded draw, so the same every run)."""
+    draw = random.Random(seq_id)
+    for _ in range(steps):
+        accepted = 0
+        while accepted < k and draw.random() < rate:
+            accepted += 1
+        policy.observe(StepReport(
+            [DraftOutcome(seq_id, k, accepted, 0)], 0, 0.0, propose_s, 0, False, propose_s=propose_s
+        ))
+
+
+def _load(num_running: int, num_waiting: int = 0) -> EngineLoad:
+    return EngineLoad(num_running, num_waiting, BUDGET)
+
+
+def _policy(seq_ids, k_max: int = 8) -> AdaptiveK:
+    policy = AdaptiveK()
+    for seq_id in seq_ids:
+        policy.add(seq_id, k_max)
+    return policy
+
+
+def test_explores_with_k_max_until_the_cost_was_measured() -> None:
+    policy = _policy([1])
+    assert policy.plan([1], _load(1)) == [8]
+    assert policy.last_decision is not None and policy.last_decision.cause == "explore"
+
+
+def test_cheap_verification_keeps_drafts_at_every_batch_size() -> None:
+    policy = _policy(range(16))
+    _teach_cost(policy, weight_bound, [1, 2, 4, 8, 16])
+    for seq_id in range(16):
+        _teach_acceptance(policy, seq_id, 0.6)
+    assert min(policy.plan([0], _load(1))) >= 4
+    ks = policy.plan(list(range(16)), _load(16))
+    assert min(ks) >= 4 and policy.last_decision.cause == "draft"
+
+
+def test_costly_verification_falls_to_zero_and_recovers_when_the_load_drops() -> None:
+    policy = _policy(range(16))
+    _teach_cost(policy, compute_bound, [1, 2, 4, 8, 16])
+    for seq_id in range(16):
+        _teach_acceptance(policy, seq_id, 0.6)
+    alone = policy.plan([0], _load(1))
+    assert alone[0] >= 3  # 8 rows are free, so a lone request drafts up to the knee
+    assert policy.plan(list(range(16)), _load(16)) == [0] * 16  # every row costs: plain decoding wins
+    assert policy.last_decision.cause == "cost"
+    assert policy.plan([0], _load(1)) == alone  # the load left: drafting comes back at once
+
+
+def test_the_price_follows_the_measured_cost_when_it_changes() -> None:
+    policy = _policy(range(8))
+    for seq_id in range(8):
+        _teach_acceptance(policy, seq_id, 0.6)
+    _teach_cost(policy, compute_bound, [8])
+    assert policy.plan(list(range(8)), _load(8)) == [0] * 8
+    for _ in range(10):  # the machine got faster at verifying (e.g. another tenant left)
+        _teach_cost(policy, weight_bound, [8])
+    assert min(policy.plan(list(range(8)), _load(8))) > 0
+
+
+def test_per_sequence_acceptance_is_respected() -> None:
+    policy = _policy(range(8))
+    _teach_cost(policy, lambda s, r: 0.030 + 0.0012 * r, [4, 8])
+    for seq_id in range(4):
+        _teach_acceptance(policy, seq_id, 1.0)  # copies its context: every draft accepted
+    for seq_id in range(4, 8):
+        _teach_acceptance(policy, seq_id, 0.0)  # never accepted
+    ks = policy.plan(list(range(8)), _load(8))
+    assert min(ks[:4]) >= 4 and ks[4:] == [0, 0, 0, 0]
+
+
+def test_k_varies_per_sequence_within_each_k_max() -> None:
+    policy = AdaptiveK()
+    for seq_id, k_max in [(1, 1), (2, 3), (3, 8)]:
+        policy.add(seq_id, k_max)
+        _teach_acceptance(policy, seq_id, 1.0)
+    _teach_cost(policy, weight_bound, [1, 2, 3])
+    assert policy.plan([1, 2, 3], _load(3)) == [1, 3, 8]
+    # keep sees the draft as made: a shorter draft is kept whole when it pays.
+    assert policy.keep([DraftSpan(2, 2, 0), DraftSpan(3, 5, 0)], StepView(3, 3 + 7, BUDGET, True)) == [2, 5]
+
+
+def test_a_costly_draft_model_drafts_fewer_positions() -> None:
+    free = _policy([1])
+    costly = _policy([1])
+    for policy, per_position in [(free, 0.0), (costly, 0.02)]:  # a draft forward of 20 ms per position
+        _teach_acceptance(policy, 1, 0.75, propose_s=8 * per_position)
+        _teach_cost(policy, weight_bound, [1])
+    k_free, k_costly = free.plan([1], _load(1))[0], costly.plan([1], _load(1))[0]
+    assert k_costly < k_free
+
+
+def test_keep_cuts_a_weak_bucket_and_a_cut_sequence_probes() -> None:
+    policy = _policy([1, 2])
+    _teach_cost(policy, compute_bound, [2])
+    for _ in range(30):
+        policy.observe(StepReport([DraftOutcome(1, 4, 4, 5), DraftOutcome(2, 4, 0, 1)], 0, 0.0, 0.0, 0, False))
+    kept = policy.keep([DraftSpan(1, 4, 5), DraftSpan(2, 4, 1)], StepView(2, 10, BUDGET, True))
+    assert kept[0] >= 3 and kept[1] == 0
+    for _ in range(PROBE_INTERVAL):
+        policy.observe(StepReport([DraftOutcome(2, 0, 0, 0)], 0, 0.0, 0.0, 0, False))
+    assert policy.keep([DraftSpan(2, 4, 1)], StepView(2, 6, BUDGET, True)) == [1]
+    assert policy.snapshot()["zero_k_sequence_steps"]["cut"] == PROBE_INTERVAL  # type: ignore[index]
+
+
+def test_budget_caps_the_drafts_and_snapshot_is_json() -> None:
+    policy = _policy(range(4))
+    _teach_cost(policy, weight_bound, [4])
+    for seq_id in range(4):
+        _teach_acceptance(policy, seq_id, 1.0)
+    ks = policy.plan(list(range(4)), EngineLoad(4, 0, 4 + 10))
+    assert sum(ks) <= 10
+    json.dumps(policy.snapshot())
+
+
+def test_forward_cost_fit_is_robust_and_reads_the_local_slope() -> None:
+    cost = ForwardCost()
+    assert cost.at(4, 4) is None
+    for _ in range(6):
+        for rows in range(4, 40):
+            cost.observe(4, rows, compute_bound(4, rows))
+    cost.observe(4, 30, 10.0)  # one descheduled step: clipped, not believed
+    steep, flat = cost.at(4, 30), cost.at(4, 6)
+    assert steep is not None and flat is not None
+    assert steep.seconds_per_row == pytest.approx(0.004, rel=0.15)
+    assert flat.seconds_per_row < 0.7 * steep.seconds_per_row  # blended with the knee within a bandwidth
+    draft = DraftCost()
+    assert draft.per_position(2) == 0.0
+    for positions in (2, 4, 8):
+        draft.observe(2, positions, 0.01 * positions)
+    assert draft.per_position(2) == pytest.approx(0.01)
+
+
+def test_choose_prefers_plain_decoding_unless_drafting_wins_by_the_margin() -> None:
+    cost = ForwardCost()
+    for num_seqs in (1, 2, 3):
+        for rows in range(num_seqs, num_seqs + 10):
+            cost.observe(num_seqs, rows, 0.010 * rows)  # strictly per row: a draft token never pays
+    decision = choose([[0.99, 0.98]], 1, 1, BUDGET, cost, 0.0)
+    assert decision.k == [0] and decision.cause == "cost"
