@@ -53,6 +53,7 @@ SPEC_ARGS = {
     "off": ["--spec", "off"],
     "ngram": ["--spec", "ngram", "--k-policy", "heuristic"],
     "goodput": ["--spec", "ngram", "--num-spec-tokens", "8", "--k-policy", "goodput"],
+    "adaptive": ["--spec", "ngram", "--num-spec-tokens", "8", "--k-policy", "adaptive"],
 }
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 

@@ -1,8 +1,8 @@
 """Speculation speed-ups on the default model: proposer x k x k policy vs plain decoding, side by side.
 
     .venv/bin/python bench/spec.py [--dtype float32|bfloat16|int4] [--kinds rewrite code docqa chat extract]
-        [--batch-sizes 1 8] [--ks 2 4 8] [--layerskip-ks 4] [--eagle-ks 2 4 6] [--methods ngram layerskip eagle]
-        [--max-tokens 128]
+        [--batch-sizes 1 8 16] [--ks 2 4 8] [--layerskip-ks 4] [--eagle-ks 2 4 6] [--methods ngram layerskip eagle]
+        [--policies fixed goodput adaptive ...] [--max-tokens 128]
         [--num-prompts 2] [--draft-layers 8] [--skip-transformers] [--threads N] [--json rows.json]
 
 Greedy, stopping at EOS like a real user; tokens/s counts the tokens actually generated. For each prompt
@@ -53,8 +53,9 @@ from specd.sampling.grammar import GrammarCompiler
 from specd.sampling.params import SamplingParams, StructuredOutput
 
 EOS_TOKEN_ID = 2  # <|im_end|> of SmolLM2-Instruct; specd stops on the tokenizer's EOS, transformers is told
-POLICIES = {"ngram": ("fixed", "heuristic", "goodput"), "layerskip": ("fixed", "heuristic", "confidence"),
-            "eagle": ("fixed", "confidence"), "hybrid": ("fixed", "confidence")}
+POLICIES = {"ngram": ("fixed", "heuristic", "goodput", "adaptive"),
+            "layerskip": ("fixed", "heuristic", "confidence", "adaptive"),
+            "eagle": ("fixed", "confidence", "adaptive"), "hybrid": ("fixed", "confidence", "adaptive")}
 # Chosen before measuring, so the headline comparison is not "the luckiest of many noisy settings".
 RECOMMENDED = ("ngram", 8, "goodput")
 
@@ -111,7 +112,8 @@ class Row:
 
 def settings_for(args: argparse.Namespace) -> list[Setting]:
     ks_of = {"ngram": args.ks, "layerskip": args.layerskip_ks, "eagle": args.eagle_ks, "hybrid": args.eagle_ks}
-    return [Setting(m, k, p) for m in args.methods for k in ks_of[m] for p in POLICIES[m]]
+    wanted = set(args.policies or [p for policies in POLICIES.values() for p in policies])
+    return [Setting(m, k, p) for m in args.methods for k in ks_of[m] for p in POLICIES[m] if p in wanted]
 
 
 _START = time.perf_counter()
@@ -135,7 +137,8 @@ def engine_config(args: argparse.Namespace, setting: Setting) -> EngineConfig:
             k_policy=setting.policy,
             draft_layers=args.draft_layers if setting.method == "layerskip" else None,
         )
-    return EngineConfig(model="default", dtype=args.dtype, max_num_seqs=8, speculation=spec, num_threads=args.threads)
+    return EngineConfig(model="default", dtype=args.dtype, max_num_seqs=max(8, *args.batch_sizes), speculation=spec,
+                        num_threads=args.threads)
 
 
 def run_specd(
@@ -318,11 +321,13 @@ def parse_args() -> argparse.Namespace:
                     help="specd dtype; transformers runs in float32, or bfloat16 for bfloat16 and int4")
     ap.add_argument("--kinds", nargs="+", choices=[*KINDS, EXTRACT_KIND], default=list(KINDS),
                     help=f"{EXTRACT_KIND}: structured output (JSON extraction under a schema), not in the default set")
-    ap.add_argument("--batch-sizes", nargs="+", type=int, choices=[1, 8], default=[1, 8])
+    ap.add_argument("--batch-sizes", nargs="+", type=int, choices=[1, 8, 16], default=[1, 8])
     ap.add_argument("--ks", nargs="+", type=int, default=[2, 4, 8], help="k of ngram and of transformers' lookup")
     ap.add_argument("--layerskip-ks", nargs="+", type=int, default=[4], help="k of layerskip (full grid: 2 4 8)")
     ap.add_argument("--eagle-ks", nargs="+", type=int, default=[2, 4, 6], help="k of eagle, hybrid")
     ap.add_argument("--methods", nargs="+", choices=list(POLICIES), default=["ngram", "layerskip"])
+    ap.add_argument("--policies", nargs="+", choices=sorted({p for ps in POLICIES.values() for p in ps}),
+                    help="only these k policies (default: every policy of each method)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--num-prompts", type=int, default=2, help="prompts per kind at batch 1 (run one at a time)")
     ap.add_argument("--draft-layers", type=int, default=8, help="layerskip: target layers used as the draft")
@@ -357,7 +362,8 @@ def main() -> None:
             if extract and batch != 1:
                 progress(f"{kind}: batch 1 only (it has {len(all_ids)} prompts); batch {batch} skipped")
                 continue
-            prompt_ids = all_ids[: args.num_prompts] if batch == 1 else all_ids[:batch]
+            # A batch larger than the kind's prompts repeats them (9 per kind: batch 16 holds 7 twice).
+            prompt_ids = all_ids[: args.num_prompts] if batch == 1 else (all_ids * batch)[:batch]
             constraints = extract_constraints(len(prompt_ids)) if extract else None
 
             def run_one(setting: Setting, ids: list[list[int]] = prompt_ids, batch: int = batch,
