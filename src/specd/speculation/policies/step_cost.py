@@ -26,7 +26,7 @@ from typing import NamedTuple
 _EMA = 0.2  # weight of a new sample in its cell, once the cell has _WARM samples
 _WARM = 4
 _MAX_WEIGHT = 20.0  # a cell's weight in a fit: its sample count, capped
-_MAX_CELLS = 4096  # beyond this, the least-sampled cells are dropped (a long-lived server sees many shapes)
+_MAX_CELLS = 2048  # beyond this, the least-sampled cells are dropped (a long-lived server sees many shapes)
 
 
 class _Cell:
@@ -54,6 +54,14 @@ def _add(cells: dict[tuple[int, int], _Cell], key: tuple[int, int], seconds: flo
     cell.add(seconds)
 
 
+def _row_cell(num_rows: int) -> int:
+    """Rows are kept exact up to 32, then to about 6 % (prompt chunks make many sizes, a few apart cost the same)."""
+    if num_rows <= 32:
+        return num_rows
+    step = num_rows // 16
+    return (num_rows + step // 2) // step * step
+
+
 def _kernel(distance: float, bandwidth: float) -> float:
     return math.exp(-0.5 * (distance / bandwidth) ** 2)
 
@@ -70,6 +78,7 @@ class ForwardCost:
 
     def __init__(self) -> None:
         self._cells: dict[tuple[int, int], _Cell] = {}
+        self._rows_by_seqs: dict[int, dict[int, _Cell]] = {}  # the same cells, indexed by S for the local fit
 
     @property
     def num_cells(self) -> int:
@@ -77,7 +86,14 @@ class ForwardCost:
 
     def observe(self, num_seqs: int, num_rows: int, seconds: float) -> None:
         if num_seqs > 0 and num_rows >= num_seqs and seconds > 0.0 and math.isfinite(seconds):
-            _add(self._cells, (num_seqs, num_rows), seconds)
+            _add(self._cells, (num_seqs, _row_cell(num_rows)), seconds)
+            if len(self._cells) < sum(len(rows) for rows in self._rows_by_seqs.values()) or not self._rows_by_seqs:
+                self._rows_by_seqs = {}  # cells were dropped: rebuild the index
+                for (s, r), cell in self._cells.items():
+                    self._rows_by_seqs.setdefault(s, {})[r] = cell
+            else:
+                key = (num_seqs, _row_cell(num_rows))
+                self._rows_by_seqs.setdefault(num_seqs, {})[key[1]] = self._cells[key]
 
     def at(self, num_seqs: int, num_rows: int) -> LocalCost | None:
         """The local plane at (num_seqs, num_rows); None until three cells not on one line were measured."""
@@ -85,18 +101,29 @@ class ForwardCost:
             return None
         seq_width = max(2.0, 0.25 * num_seqs)
         row_width = max(4.0, 0.25 * num_rows)
+        # Cells beyond two bandwidths weigh < 14 % of a near one: leave them out (a fit runs twice a step), unless
+        # fewer than three are near, then every cell counts (far ones only break ties).
+        near = [((s, r), cell)
+                for s in range(math.ceil(num_seqs - 2 * seq_width), math.floor(num_seqs + 2 * seq_width) + 1)
+                for r, cell in self._rows_by_seqs.get(s, {}).items() if abs(r - num_rows) <= 2 * row_width]
+        cells = near if len(near) >= 3 else list(self._cells.items())
         # Normal equations of the weighted fit t ~ c0 + c1 * ds + c2 * dr, centred at the query point.
         m = [[0.0] * 3 for _ in range(3)]
         v = [0.0] * 3
-        for (s, r), cell in self._cells.items():
+        for (s, r), cell in cells:
             ds, dr = s - num_seqs, r - num_rows
-            w = min(float(cell.count), _MAX_WEIGHT) * _kernel(ds, seq_width) * _kernel(dr, row_width)
+            w = min(float(cell.count), _MAX_WEIGHT) * math.exp(-0.5 * ((ds / seq_width) ** 2 + (dr / row_width) ** 2))
             w = max(w, 1e-9)  # far cells still break ties when nothing is near
-            x = (1.0, float(ds), float(dr))
-            for a in range(3):
-                v[a] += w * x[a] * cell.mean
-                for b in range(3):
-                    m[a][b] += w * x[a] * x[b]
+            m[0][0] += w
+            m[0][1] += w * ds
+            m[0][2] += w * dr
+            m[1][1] += w * ds * ds
+            m[1][2] += w * ds * dr
+            m[2][2] += w * dr * dr
+            v[0] += w * cell.mean
+            v[1] += w * ds * cell.mean
+            v[2] += w * dr * cell.mean
+        m[1][0], m[2][0], m[2][1] = m[0][1], m[0][2], m[1][2]
         # A small ridge on the sequence slope only: when R - S never varied, rows take the whole slope.
         m[1][1] += 1e-3 * (m[1][1] + m[0][0])
         solution = _solve3(m, v)
