@@ -54,8 +54,10 @@ class SpeculationConfig:
     [0, k_max]; a sequence at 0 probes again with k = 1 after `heuristic_probe_interval` steps), "confidence"
     (model-based proposers stop drafting before a position where the draft's top probability -- of its raw
     distribution, read before sampling -- falls below `confidence_threshold`; lossless for sampled requests too)
-    or "goodput" (ngram: each step, verify only the draft tokens whose expected acceptance, learned online per
-    match length, pays for their measured verification cost; see speculation/policies/goodput.py).
+    "goodput" (ngram: each step, verify only the draft tokens whose expected acceptance, learned online per
+    match length, pays for their measured verification cost; see speculation/policies/goodput.py) or "adaptive"
+    (every proposer: the k_i maximising expected tokens per second from the step cost measured at this batch
+    size, each sequence's acceptance and the drafting cost, 0 under load; see speculation/policies/adaptive.py).
     """
 
     method: str = "off"

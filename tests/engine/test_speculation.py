@@ -485,3 +485,34 @@ def test_sampled_speculation_with_penalties_matches_penalised_target(tiny_vocab_
     keep = exp >= 5
     _, pvalue = chisquare(np.append(counts[keep], counts[~keep].sum()), np.append(exp[keep], exp[~keep].sum()))
     assert pvalue > 0.001, f"penalised speculative samples differ from penalised sampling (p={pvalue:.2e})"
+
+
+@pytest.mark.parametrize("per_row_s", [0.0, 1.0])
+def test_adaptive_decides_k_before_a_model_proposer_drafts_and_stays_lossless(make_llm, monkeypatch, per_row_s):
+    from specd.speculation.policies.step_cost import LocalCost
+
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)  # < PROBE_INTERVAL steps: no probes
+    plain = _plain(make_llm, params=params)
+    llm = make_llm(_spec("layerskip", 4, "adaptive", draft_layers=1), max_num_seqs=4)
+    policy = llm.engine.speculator.k_policies["adaptive"]
+    # Free verification: drafting pays; a second per extra row (vs ms-scale steps): plain decoding wins.
+    monkeypatch.setattr(policy.forward, "at", lambda num_seqs, num_rows: LocalCost(0.01, per_row_s))
+    # The measured draft forwards would be priced too (ms-scale next to the 10 ms step above): made free here.
+    monkeypatch.setattr(policy.draft, "per_position", lambda num_drafting: 0.0)
+    proposer = llm.engine.speculator.proposer
+    asked: list[int] = []
+    propose = proposer.propose
+
+    def counting(seqs, num_draft_tokens):
+        asked.extend(num_draft_tokens)
+        return propose(seqs, num_draft_tokens)
+
+    monkeypatch.setattr(proposer, "propose", counting)
+    outs = llm.generate(PROMPTS, params)
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    estimates = llm.get_metrics()["adaptive_policy"]
+    if per_row_s:
+        assert asked == [] and estimates["last_cause"] == "cost"  # the draft model was never run
+        assert estimates["zero_k_sequence_steps"]["cost"] > 0
+    else:
+        assert asked and max(asked) == 4 and estimates["last_cause"] == "draft"
