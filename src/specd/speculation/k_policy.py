@@ -100,7 +100,8 @@ class KPolicy(Protocol):
         ...
 
     def plan(self, seq_ids: Sequence[int], load: EngineLoad) -> list[int]:
-        """k_i in [0, k_max_i] for each of its running sequences, before scheduling. Changes no state."""
+        """k_i in [0, k_max_i] for each of its running sequences, before scheduling. Changes no state its
+        decisions depend on (a policy may note what it planned, for its snapshot)."""
         ...
 
     def draft_stop(self, seq_id: int) -> DraftStop | None:
