@@ -87,7 +87,7 @@ def main() -> None:
     logging.getLogger("bench").setLevel(logging.WARNING)  # format the line, don't print it
 
     def prometheus(_: Path) -> list[StatsSink]:
-        return [PrometheusSink(CollectorRegistry(), args.k, model="m", proposer="ngram", vllm_compat=True)]
+        return [PrometheusSink(CollectorRegistry(), model="m", proposer="ngram", vllm_compat=True)]
 
     def trace(tmp: Path) -> list[StatsSink]:
         return [TraceSink(tmp / "trace.jsonl")]

@@ -270,9 +270,10 @@ class LLM:
         Each k policy of the engine that keeps estimates adds them as "<name>_policy": with the ngram proposer,
         "goodput_policy" holds what the goodput policy decides from (throughput, step cost by new tokens,
         acceptance by match length and position); they are kept whichever policy the engine runs, since any
-        request may choose goodput.
+        request may choose goodput. "sink_errors" counts exceptions raised by stats sinks (isolated from requests).
         """
         metrics = self.engine.recorder.snapshot().to_dict()
+        metrics["sink_errors"] = self.engine.recorder.sink_errors
         for name, estimates in self.engine.speculator.snapshots().items():
             metrics[f"{name}_policy"] = estimates
         return metrics

@@ -79,7 +79,7 @@ def _from_prometheus(registry: CollectorRegistry) -> dict[str, Any]:
 def test_four_metric_views_agree_on_the_default_model(tmp_path, caplog, pooled_from_counters) -> None:
     trace_path = tmp_path / "trace.jsonl"
     registry = CollectorRegistry()
-    sink = PrometheusSink(registry, K_MAX, model="default", proposer="ngram")
+    sink = PrometheusSink(registry, model="default", proposer="ngram")
     llm = LLM(
         "default",
         max_model_len=512,

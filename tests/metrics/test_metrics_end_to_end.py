@@ -196,7 +196,7 @@ def run(bigram_model, tokenizer, tmp_path_factory) -> Run:
 
     trace_path = tmp_path_factory.mktemp("trace") / "trace.jsonl"
     registry = CollectorRegistry()
-    sink = PrometheusSink(registry, K_MAX, model=MODEL_LABEL, proposer="ngram", vllm_compat=True)
+    sink = PrometheusSink(registry, model=MODEL_LABEL, proposer="ngram", vllm_compat=True)
     # A tiny interval: every step after the first closes an interval, so the lines cover the whole run.
     config = _ngram_config(log_stats_interval_s=1e-6, spec_trace_path=str(trace_path))
     llm = LLM.from_model(bigram_model, tokenizer, config, stats_sinks=[sink])

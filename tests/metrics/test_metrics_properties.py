@@ -84,7 +84,7 @@ class Run:
 
 def run(scenario: Scenario) -> Run:
     registry = CollectorRegistry()
-    prometheus = PrometheusSink(registry, scenario.k_max, model="m", proposer="ngram", vllm_compat=True)
+    prometheus = PrometheusSink(registry, model="m", proposer="ngram", vllm_compat=True)
     with tempfile.TemporaryDirectory() as tmp:
         trace_path = Path(tmp) / "trace.jsonl"
         with TraceSink(trace_path) as trace:

@@ -92,7 +92,7 @@ def test_prometheus_families_types_and_shared_registry() -> None:
     registry = CollectorRegistry()
     server_metric = Counter("specd_requests", "Requests served by the server.", registry=registry)
     server_metric.inc()
-    sink = PrometheusSink(registry, k_max=4, model="smol", proposer="ngram")
+    sink = PrometheusSink(registry, model="smol", proposer="ngram")
     recorder = SpecStatsRecorder(k_max=4, sinks=[sink])
     drive(recorder)
     families = exposition(registry)
@@ -119,12 +119,12 @@ def test_prometheus_families_types_and_shared_registry() -> None:
     assert 'specd_spec_decode_accepted_at_position_total{model="smol",position="2",proposer="ngram"} 1.0' in text
     # A second sink in the same registry would collide: the registry's duplicate check catches it.
     with pytest.raises(ValueError, match="Duplicated"):
-        PrometheusSink(registry, k_max=4, model="smol", proposer="ngram")
+        SpecStatsRecorder(k_max=4, sinks=[PrometheusSink(registry, model="smol", proposer="ngram")])
 
 
 def test_prometheus_vllm_compat_names_labels_and_zero_based_position() -> None:
     registry = CollectorRegistry()
-    recorder = SpecStatsRecorder(k_max=4, sinks=[PrometheusSink(registry, 4, "smol", "ngram", vllm_compat=True)])
+    recorder = SpecStatsRecorder(k_max=4, sinks=[PrometheusSink(registry, "smol", "ngram", vllm_compat=True)])
     drive(recorder)
     text = generate_latest(registry).decode()
     assert 'vllm:spec_decode_num_drafts_total{engine="0",model_name="smol"} 4.0' in text
@@ -138,7 +138,7 @@ def test_prometheus_vllm_compat_names_labels_and_zero_based_position() -> None:
 
 def test_prometheus_rejects_bad_buckets() -> None:
     with pytest.raises(ValueError, match="phase_buckets"):
-        PrometheusSink(CollectorRegistry(), 4, "m", "p", phase_buckets=(0.1, 0.01))
+        PrometheusSink(CollectorRegistry(), "m", "p", phase_buckets=(0.1, 0.01))
 
 
 # Trace ---------------------------------------------------------------------------------------------
@@ -263,7 +263,7 @@ def test_grafana_dashboard_is_valid_and_queries_exported_metrics() -> None:
     variables = {v["name"]: v for v in dashboard["templating"]["list"]}
     assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
     registry = CollectorRegistry()
-    drive(SpecStatsRecorder(k_max=4, sinks=[PrometheusSink(registry, 4, "m", "ngram")]))
+    drive(SpecStatsRecorder(k_max=4, sinks=[PrometheusSink(registry, "m", "ngram")]))
     exported = {
         sample.name
         for family in text_string_to_metric_families(generate_latest(registry).decode())

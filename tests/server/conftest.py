@@ -74,7 +74,7 @@ def _make_llm(model, tokenizer, registry: CollectorRegistry | None = None, **kw)
     config = EngineConfig(speculation=spec, max_model_len=kw.pop("max_model_len", 256), **kw)
     sinks = []
     if registry is not None:
-        sinks.append(PrometheusSink(registry, spec.metrics_k_max, MODEL_NAME, spec.method))
+        sinks.append(PrometheusSink(registry, MODEL_NAME, spec.method))
     return LLM.from_model(model, tokenizer, config, stats_sinks=sinks)
 
 

@@ -50,6 +50,9 @@ class StepLog:
     def __init__(self) -> None:
         self.records: list[StepRecord] = []
 
+    def bind(self, recorder: Any) -> None:
+        pass
+
     def on_step(self, record: StepRecord) -> None:
         self.records.append(record)
 
@@ -122,7 +125,7 @@ def scraped(tiny_model, tokenizer, start_server, tmp_path_factory):
     registry = CollectorRegistry()
     steps = StepLog()
     spec = SpeculationConfig(method="ngram", num_speculative_tokens=K_MAX, k_policy="heuristic")
-    sinks = [PrometheusSink(registry, spec.metrics_k_max, MODEL, "ngram", vllm_compat=True), steps]
+    sinks = [PrometheusSink(registry, MODEL, "ngram", vllm_compat=True), steps]
     config = EngineConfig(speculation=spec, max_model_len=256, max_num_seqs=4, max_waiting=64)
     llm = LLM.from_model(tiny_model, tokenizer, config, stats_sinks=sinks)
     workdir = tmp_path_factory.mktemp("prometheus")

@@ -18,7 +18,7 @@ from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, M
 
 from specd.metrics.records import StepRecord
 from specd.metrics.snapshots import RequestSpecStats, tau_bucket_bounds
-from specd.metrics.stats import CounterCells
+from specd.metrics.stats import CounterCells, SpecStatsRecorder
 
 NAMESPACE = "specd_spec_decode"
 DEFAULT_PHASE_BUCKETS = (
@@ -46,30 +46,39 @@ class PrometheusSink:
     def __init__(
         self,
         registry: CollectorRegistry,
-        k_max: int,
         model: str,
         proposer: str,
         vllm_compat: bool = False,
         vllm_engine: str = "0",
         phase_buckets: Sequence[float] = DEFAULT_PHASE_BUCKETS,
     ) -> None:
-        if k_max < 0:
-            raise ValueError(f"k_max: must be >= 0, got {k_max}")
+        """Nothing is registered until the recorder binds the sink (its k_max sizes every family)."""
         if list(phase_buckets) != sorted(set(phase_buckets)) or not phase_buckets:
             raise ValueError("phase_buckets: must be a non-empty strictly increasing sequence")
-        self.k_max = k_max
+        self._registry = registry
+        self._phase_buckets = tuple(phase_buckets)
         self._labels = {"model": model, "proposer": proposer}
         self._vllm_labels = {"model_name": model, "engine": vllm_engine} if vllm_compat else None
         self._lock = threading.Lock()
-        self._cells = CounterCells(k_max)
+        self._recorder: SpecStatsRecorder | None = None
         self._steps = 0
         self._spec_steps = 0
+
+    def bind(self, recorder: SpecStatsRecorder) -> None:
+        """Take k_max from the recorder and register in the registry (once: a sink serves one recorder)."""
+        if self._recorder is not None:
+            raise ValueError("recorder: this PrometheusSink is already bound to a recorder")
+        model, proposer = self._labels["model"], self._labels["proposer"]
+        registry = self._registry
+        self.k_max = recorder.k_max
+        self._cells = CounterCells(recorder.k_max)
         registry.register(self)
+        self._recorder = recorder
         phase = Histogram(
             f"{NAMESPACE}_phase_seconds",
             "Seconds per step spent in each speculation phase.",
             labelnames=("model", "proposer", "phase"),
-            buckets=tuple(phase_buckets),
+            buckets=self._phase_buckets,
             registry=registry,
         )
         self._propose = phase.labels(model, proposer, "propose")
@@ -79,7 +88,7 @@ class PrometheusSink:
             f"{NAMESPACE}_request_mean_acceptance_length",
             "Mean acceptance length (tau = 1 + accepted/drafts) of each finished request that drafted.",
             labelnames=("model", "proposer"),
-            buckets=tau_bucket_bounds(k_max),
+            buckets=tau_bucket_bounds(recorder.k_max),
             registry=registry,
         ).labels(model, proposer)
 
@@ -108,9 +117,12 @@ class PrometheusSink:
         return self._families(with_samples=True)
 
     def _families(self, with_samples: bool) -> Iterator[Metric]:
+        if self._recorder is None:
+            return
         with self._lock:
             counters = self._cells.freeze()
             steps, spec_steps = self._steps, self._spec_steps
+        sink_errors = self._recorder.sink_errors
         names, values = list(self._labels), list(self._labels.values())
 
         def counter(name: str, doc: str, value: int) -> CounterMetricFamily:
@@ -131,6 +143,14 @@ class PrometheusSink:
             "Tokens emitted by drafts (after stop truncation, bonus included).",
             counters.emitted_tokens,
         )
+        sink_family = CounterMetricFamily(
+            "specd_stats_sink_errors",
+            "Exceptions raised by stats sinks (log, Prometheus, trace); each skipped one sink call, no request.",
+            labels=names,
+        )
+        if with_samples:
+            sink_family.add_metric(values, sink_errors)
+        yield sink_family
         yield counter("steps", "Verification steps recorded.", steps)
         yield counter("spec_steps", "Steps with at least one draft.", spec_steps)
         yield counter("nonspec_seq_steps", "Sequence-steps with no draft (k = 0).", counters.nonspec_seq_steps)

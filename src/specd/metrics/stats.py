@@ -16,10 +16,10 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Collection, Sequence
-from typing import Protocol
 
 import torch
 
+from specd.metrics.fanout import SinkFanout, StatsSink
 from specd.metrics.records import SpecCounters, StepDetail, StepPhaseTimes, StepRecord, StepTotals
 from specd.metrics.snapshots import PerRequestAggregates, RequestSpecStats, SpecMetricsSnapshot
 
@@ -34,18 +34,6 @@ __all__ = [
 ]
 
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
-
-
-class StatsSink(Protocol):
-    """Writes what the recorder computed (log, Prometheus, trace file). Changes only its own state."""
-
-    def on_step(self, record: StepRecord) -> None:
-        """Called once per recorded step, after the recorder's counters include it."""
-        ...
-
-    def on_request_finished(self, request_id: str, stats: RequestSpecStats) -> None:
-        """Called once when the engine finishes (or aborts) a request, with its final counters."""
-        ...
 
 
 class CounterCells:
@@ -143,12 +131,20 @@ class SpecStatsRecorder:
             raise ValueError(f"k_max: must be an integer >= 0, got {k_max!r}")
         self.k_max = k_max
         self._sinks = tuple(sinks)
+        self._fanout = SinkFanout(self._sinks)
         self._lock = threading.Lock()
         self._next_step = 0
         self._live: dict[str, CounterCells] = {}
         self._detail: dict[str, list[StepDetail]] = {}
         self._base = SpecMetricsSnapshot.zero(k_max)  # every closed interval, summed
         self._reset_interval()
+        for sink in self._sinks:
+            sink.bind(self)
+
+    @property
+    def sink_errors(self) -> int:
+        """Exceptions raised by sinks so far (each one skipped that sink's call, nothing else)."""
+        return self._fanout.errors
 
     def _reset_interval(self) -> None:
         self._interval = CounterCells(self.k_max)
@@ -234,8 +230,7 @@ class SpecStatsRecorder:
             self._interval_sample_s += times.sample_s
         if self._sinks:
             record = StepRecord(step, now, request_ids, num_draft, num_accepted, num_emitted, times)
-            for sink in self._sinks:
-                sink.on_step(record)
+            self._fanout.on_step(record)
 
     def _record_detail(
         self,
@@ -269,8 +264,8 @@ class SpecStatsRecorder:
         with self._lock:
             stats = self._request_stats_locked(request_id, pop=True)
             self._interval_requests = self._interval_requests.observe(stats.counters)
-        for sink in self._sinks:
-            sink.on_request_finished(request_id, stats)
+        if self._sinks:
+            self._fanout.on_request_finished(request_id, stats)
         return stats
 
     def _interval_snapshot_locked(self) -> SpecMetricsSnapshot:

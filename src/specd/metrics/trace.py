@@ -24,6 +24,7 @@ from typing import IO, Any, NamedTuple
 from specd.errors import SpecdError
 from specd.metrics.records import SpecCounters, StepRecord, StepTotals
 from specd.metrics.snapshots import PerRequestAggregates, RequestSpecStats, SpecMetricsSnapshot
+from specd.metrics.stats import SpecStatsRecorder
 
 _INT_FIELDS = ("step", "k", "accepted", "emitted")
 _FLOAT_FIELDS = ("time", "propose_s", "verify_s", "sample_s")
@@ -62,6 +63,10 @@ class TraceSink:
         self._file: IO[str] = self.path.open("w", encoding="utf-8")
         self._lock = threading.Lock()
         self._quoted_ids: dict[str, str] = {}  # request id -> its JSON string literal, while it runs
+        self.k_max: int | None = None
+
+    def bind(self, recorder: SpecStatsRecorder) -> None:
+        self.k_max = recorder.k_max
 
     def on_step(self, record: StepRecord) -> None:
         times = record.times

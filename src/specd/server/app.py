@@ -276,7 +276,6 @@ def serve_from_args(args: argparse.Namespace) -> int:
     registry = CollectorRegistry()
     sink = PrometheusSink(
         registry,
-        k_max=config.speculation.metrics_k_max,
         model=settings.model_name,
         proposer=config.speculation.method,
         vllm_compat=args.vllm_compat_metrics,
