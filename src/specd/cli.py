@@ -52,6 +52,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             last_report = now
         final = delta
     gen_s = time.perf_counter() - t1
+    llm.close()  # the log line's partial last interval, and the trace file
     assert final is not None
     stats = final.spec_stats.to_dict() if final.spec_stats is not None else None
     if args.json:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
@@ -22,6 +23,8 @@ DTYPES: dict[str, torch.dtype] = dict(
 )
 # `method` value that turns speculation off; every other value names a registered proposer.
 SPEC_OFF = "off"
+# The log line runs on its own timer thread: a shorter interval would mostly log its own overhead.
+MIN_LOG_STATS_INTERVAL_S = 0.01
 
 
 def spec_methods() -> list[str]:
@@ -152,8 +155,10 @@ class EngineConfig:
                 "must be at least max_num_seqs (one token per running sequence) and num_speculative_tokens + 1",
             )
         _positive_int("max_waiting", self.max_waiting, 0)
-        if self.log_stats_interval_s < 0:
-            raise InvalidParameterError("log_stats_interval_s", "must be >= 0")
+        if not (self.log_stats_interval_s == 0 or MIN_LOG_STATS_INTERVAL_S <= self.log_stats_interval_s < math.inf):
+            raise InvalidParameterError(
+                "log_stats_interval_s", f"must be 0 (off) or a finite number of seconds >= {MIN_LOG_STATS_INTERVAL_S}"
+            )
         if self.num_threads is not None:
             _positive_int("num_threads", self.num_threads)
         if not isinstance(self.speculation, SpeculationConfig):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any, NamedTuple
@@ -120,18 +119,27 @@ class LLM:
         if proposer is None and config.speculation.enabled:
             proposer = build_proposer(config, model, tokenizer)
         self.engine = LLMEngine(config, model, tokenizer, proposer, stats_sinks=sinks)
+        # The log line runs on its own timer thread, so idle periods are logged as they pass, not after the next step.
         self._periodic = (
             PeriodicLogger(self.engine.recorder, config.log_stats_interval_s, logger)
             if config.log_stats_interval_s > 0 else None
         )
+        if self._periodic is not None:
+            self._periodic.start()
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stop the log-line timer (logging the partial last interval) and close the trace file. Stepping after
+        close() still works; what the closed trace sink cannot write is counted in get_metrics()["sink_errors"]."""
+        if self._periodic is not None:
+            self._periodic.close()
+        if self._trace is not None:
+            self._trace.close()
 
     # ------------------------------------------------------------- stepping
     def step(self) -> list[RequestDelta]:
         """One engine step (the streaming interface): deltas of every request that changed."""
         deltas = self.engine.step().deltas
-        if self._periodic is not None:
-            self._periodic.maybe_log(time.monotonic())
         if self._trace is not None and not self.engine.has_unfinished():
             self._trace.flush()
         return deltas

@@ -85,11 +85,12 @@ def test_four_metric_views_agree_on_the_default_model(tmp_path, caplog, pooled_f
         max_model_len=512,
         speculation=SpeculationConfig(method="ngram", num_speculative_tokens=K_MAX, k_policy="heuristic"),
         stats_sinks=[sink],
-        log_stats_interval_s=1e-6,  # every step after the first closes an interval: the lines cover the run
+        log_stats_interval_s=0.05,  # on the logger's timer; close() logs the rest, so the lines cover the run
         spec_trace_path=str(trace_path),
     )
     caplog.set_level(logging.INFO, logger="specd")
     outputs = llm.chat(MESSAGES, SamplingParams(max_tokens=32, temperature=0.0))
+    llm.close()
     metrics = llm.get_metrics()
     counters = metrics["counters"]
     ints = {name: counters[name] for name in LOG_KEYS}
@@ -100,7 +101,7 @@ def test_four_metric_views_agree_on_the_default_model(tmp_path, caplog, pooled_f
 
     # 1. Log lines, summed over intervals.
     lines = [parse_log_line(r.getMessage()) for r in caplog.records if r.getMessage().startswith(PREFIX)]
-    assert len(lines) >= counters["steps"] - 1
+    assert lines
     summed = _from_log(lines)
     assert summed == ints
     assert sum(line["finished_requests"] for line in lines) == len(MESSAGES)

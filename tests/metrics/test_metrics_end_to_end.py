@@ -197,8 +197,8 @@ def run(bigram_model, tokenizer, tmp_path_factory) -> Run:
     trace_path = tmp_path_factory.mktemp("trace") / "trace.jsonl"
     registry = CollectorRegistry()
     sink = PrometheusSink(registry, model=MODEL_LABEL, proposer="ngram", vllm_compat=True)
-    # A tiny interval: every step after the first closes an interval, so the lines cover the whole run.
-    config = _ngram_config(log_stats_interval_s=1e-6, spec_trace_path=str(trace_path))
+    # A short interval on the logger's own timer; close() logs the partial last one, so the lines cover the run.
+    config = _ngram_config(log_stats_interval_s=0.05, spec_trace_path=str(trace_path))
     llm = LLM.from_model(bigram_model, tokenizer, config, stats_sinks=[sink])
     capture = _Capture()
     specd_logger = logging.getLogger("specd")
@@ -207,6 +207,7 @@ def run(bigram_model, tokenizer, tmp_path_factory) -> Run:
     specd_logger.setLevel(logging.INFO)
     try:
         outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        llm.close()
     finally:
         specd_logger.removeHandler(capture)
         specd_logger.setLevel(old_level)

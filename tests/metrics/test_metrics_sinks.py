@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,8 @@ import torch
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from specd.config import EngineConfig
+from specd.errors import InvalidParameterError
 from specd.metrics import trace_cli
 from specd.metrics.log_sink import PREFIX, PeriodicLogger, format_log_line
 from specd.metrics.prometheus_sink import PrometheusSink
@@ -61,26 +64,85 @@ def test_log_line_with_k_max_zero_and_no_drafts() -> None:
     assert parsed["tokens_per_forward"] == 1.0
 
 
-def test_periodic_logger_logs_once_per_interval_and_only_if_something_happened(
+class FakeClock:
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_periodic_logger_cuts_exact_intervals_on_its_own_clock_idle_ones_included(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     recorder = SpecStatsRecorder(k_max=4)
     logger = logging.getLogger("specd.test.metrics")
-    periodic = PeriodicLogger(recorder, interval_s=5.0, logger=logger)
-    with caplog.at_level(logging.INFO, logger="specd.test.metrics"):
-        assert periodic.maybe_log(100.0) is None  # starts the clock
+    clock = FakeClock(100.0)
+    periodic = PeriodicLogger(recorder, interval_s=5.0, logger=logger, clock=clock)
+    with caplog.at_level(logging.DEBUG, logger="specd.test.metrics"):
         drive(recorder)
-        assert periodic.maybe_log(104.9) is None
-        line = periodic.maybe_log(105.0)
-        assert line is not None and parse_log_line(line)["drafts"] == 4
-        assert periodic.maybe_log(111.0) is None  # nothing happened in (105, 111]
+        clock.now = 104.9
+        assert periodic.tick() is None and periodic.seconds_to_next() == pytest.approx(0.1)
+        clock.now = 105.0
+        busy = periodic.tick()  # the last busy interval, logged at its boundary, not after the next step
+        clock.now = 110.0
+        first_idle = periodic.tick()
+        clock.now = 115.0
+        second_idle = periodic.tick()
         recorder.record_step(["Z"], counts((2, 2, 3)), TIMES)
-        second = periodic.maybe_log(116.5)
-    assert second is not None and parse_log_line(second)["accepted"] == 2
-    assert parse_log_line(second)["interval_s"] == pytest.approx(5.5)
-    assert [r.getMessage() for r in caplog.records] == [line, second]
+        recorder.finish_request("Z")
+        clock.now = 120.0
+        back = periodic.tick()
+        recorder.finish_request("W")  # an abort with no step: its interval is logged, not dropped
+        clock.now = 125.0
+        finish_only = periodic.tick()
+        recorder.record_step(["V"], counts((0, 0, 1)), TIMES)
+        clock.now = 127.5
+        last = periodic.close()  # the partial last interval
+    lines = [busy, first_idle, second_idle, back, finish_only, last]
+    assert all(line is not None for line in lines)
+    parsed = [parse_log_line(line or "") for line in lines]
+    assert [p["interval_s"] for p in parsed] == [5.0, 5.0, 5.0, 5.0, 5.0, 2.5]
+    assert [p["steps"] for p in parsed] == [3, 0, 0, 1, 0, 1]
+    assert [p["finished_requests"] for p in parsed] == [2, 0, 0, 1, 1, 0]
+    assert parsed[3]["accepted"] == 2 and parsed[0]["drafts"] == 4
+    # The first idle line is INFO (the engine went idle), further idle ones DEBUG.
+    levels = [r.levelno for r in caplog.records]
+    assert levels == [logging.INFO, logging.INFO, logging.DEBUG, logging.INFO, logging.INFO, logging.INFO]
+    assert periodic.close() is None  # nothing since: no line
+
+
+def test_periodic_logger_late_tick_covers_the_whole_gap_once() -> None:
+    recorder = SpecStatsRecorder(k_max=2)
+    clock = FakeClock(0.0)
+    periodic = PeriodicLogger(recorder, interval_s=10.0, logger=logging.getLogger("specd.test.metrics"), clock=clock)
+    recorder.record_step(["a"], counts((1, 1, 2)), TIMES)
+    clock.now = 35.0  # three boundaries missed (a blocked caller): one line, saying it covers 35 s
+    line = periodic.tick()
+    assert line is not None and parse_log_line(line)["interval_s"] == 35.0
+    assert periodic.seconds_to_next() == pytest.approx(5.0)  # back on the 10 s grid
+
+
+def test_periodic_logger_thread_logs_without_steps_and_stops_on_close(caplog: pytest.LogCaptureFixture) -> None:
+    recorder = SpecStatsRecorder(k_max=2)
+    periodic = PeriodicLogger(recorder, interval_s=0.02, logger=logging.getLogger("specd.test.metrics"))
+    with caplog.at_level(logging.INFO, logger="specd.test.metrics"):
+        recorder.record_step(["a"], counts((1, 1, 2)), TIMES)
+        periodic.start()
+        deadline = time.monotonic() + 30.0
+        while not any(r.getMessage().startswith(PREFIX) for r in caplog.records):
+            assert time.monotonic() < deadline, "the timer thread logged nothing"
+            time.sleep(0.01)
+        periodic.close()
+        count = len(caplog.records)
+        time.sleep(0.1)
+    assert len(caplog.records) == count  # stopped
+    assert sum(parse_log_line(r.getMessage())["steps"] for r in caplog.records) == 1
     with pytest.raises(ValueError, match="interval_s"):
-        PeriodicLogger(recorder, interval_s=0.0, logger=logger)
+        PeriodicLogger(recorder, interval_s=0.0, logger=logging.getLogger("specd.test.metrics"))
+    for bad in (1e-6, -1.0, float("inf"), float("nan")):
+        with pytest.raises(InvalidParameterError, match="log_stats_interval_s"):
+            EngineConfig(log_stats_interval_s=bad)
 
 
 # Prometheus ----------------------------------------------------------------------------------------

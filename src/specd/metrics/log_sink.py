@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Sequence
+import threading
+import time
+import weakref
+from collections.abc import Callable, Sequence
 
 from specd.metrics.snapshots import SpecMetricsSnapshot
 from specd.metrics.stats import SpecStatsRecorder
 
-PREFIX = "SpecDecoding metrics: "
+PREFIX = "specd spec-decode metrics: "
 NOT_AVAILABLE = "n/a"
 
 
@@ -61,9 +64,15 @@ def format_log_line(snapshot: SpecMetricsSnapshot, interval_s: float | None = No
 
 
 class PeriodicLogger:
-    """Logs the recorder's interval line every interval_s seconds; the engine calls maybe_log(now) per step.
+    """Logs the recorder's interval line on its own clock, every interval_s seconds, busy or idle.
 
-    It owns the recorder's take_interval(). An interval in which no step happened is not logged.
+    Intervals are cut at start + n * interval_s on `clock`, so each line covers exactly the seconds since the
+    previous line (`interval_s=` on the line), not "since the step before". An interval with no step and no
+    finished request is still logged: the first one after activity at INFO (so the last busy interval is
+    always followed by a line saying the engine went idle), further idle ones at DEBUG. It owns the
+    recorder's take_interval(). `start()` runs `tick()` on a daemon thread; without it, call `tick()`
+    yourself (tests drive it with a fake clock). `close()` stops the thread and logs the partial last
+    interval if anything happened in it.
     """
 
     def __init__(
@@ -71,31 +80,84 @@ class PeriodicLogger:
         recorder: SpecStatsRecorder,
         interval_s: float,
         logger: logging.Logger,
-        start_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if not 0.0 < interval_s < math.inf:
             raise ValueError(f"interval_s: must be a finite number of seconds > 0, got {interval_s!r}")
         self._recorder = recorder
         self._interval_s = interval_s
         self._logger = logger
-        self._last_s = start_s
+        self._clock = clock
+        self._lock = threading.Lock()  # tick() from the timer thread and close() from the caller's
+        self._start_s = self._last_s = clock()
+        self._next_index = 1  # the next boundary is start + next_index * interval_s
+        self._last_was_empty = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
-    def maybe_log(self, now: float) -> str | None:
-        """If interval_s has elapsed since the last log (or start), take the interval and log it.
+    def seconds_to_next(self) -> float:
+        """Seconds from now (on the clock) to the next interval boundary; 0 if it has passed."""
+        return max(0.0, self._start_s + self._next_index * self._interval_s - self._clock())
 
-        `now` is any monotonic clock in seconds. Returns the line logged, or None. The first call
-        without a start_s only starts the clock.
+    def tick(self) -> str | None:
+        """If an interval boundary has passed, take the interval (up to now) and log it. Returns the line.
+
+        Boundaries missed while the caller was late are skipped, not logged one by one: their steps are in
+        the one line, whose interval_s says how long it covers.
         """
-        if self._last_s is None:
-            self._last_s = now
-            return None
-        elapsed = now - self._last_s
-        if elapsed < self._interval_s:
-            return None
-        self._last_s = now
+        with self._lock:
+            now = self._clock()
+            if now < self._start_s + self._next_index * self._interval_s:
+                return None
+            self._next_index = int((now - self._start_s) // self._interval_s) + 1
+            return self._log_interval(now)
+
+    def close(self) -> str | None:
+        """Stop the timer thread; log the partial interval since the last line if it recorded anything."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        with self._lock:
+            now = self._clock()
+            if now <= self._last_s:
+                return None
+            return self._log_interval(now, skip_empty=True)
+
+    def _log_interval(self, now: float, skip_empty: bool = False) -> str | None:
         snapshot = self._recorder.take_interval()
-        if snapshot.step_totals.steps == 0:
+        elapsed, self._last_s = now - self._last_s, now
+        empty = snapshot.step_totals.steps == 0 and snapshot.per_request.finished_requests == 0
+        if empty and skip_empty:
             return None
         line = format_log_line(snapshot, interval_s=elapsed)
-        self._logger.info("%s", line)
+        level = logging.DEBUG if empty and self._last_was_empty else logging.INFO
+        self._last_was_empty = empty
+        self._logger.log(level, "%s", line)
         return line
+
+    def start(self) -> None:
+        """Run tick() at every boundary on a daemon thread (it ends when close() is called or this is collected)."""
+        if self._thread is not None:
+            raise RuntimeError("PeriodicLogger: already started")
+        self._thread = threading.Thread(
+            target=_run_timer, args=(weakref.ref(self), self._stop), name="specd-stats-log", daemon=True
+        )
+        weakref.finalize(self, self._stop.set)
+        self._thread.start()
+
+
+def _run_timer(ref: weakref.ref[PeriodicLogger], stop: threading.Event) -> None:
+    """The timer thread: holds the logger only weakly, so an unclosed LLM can still be collected."""
+    while True:
+        periodic = ref()
+        if periodic is None:
+            return
+        wait_s = periodic.seconds_to_next()
+        del periodic
+        if stop.wait(wait_s):
+            return
+        periodic = ref()
+        if periodic is None:
+            return
+        periodic.tick()
+        del periodic
