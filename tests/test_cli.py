@@ -136,7 +136,7 @@ def test_generate_chat_stats_trace_and_log_then_stats(capsys, caplog, tmp_path: 
     # `specd stats FILE`: the table and the per-position bar chart.
     code, table, table_err = run_cli(capsys, "stats", str(trace))
     assert code == 0 and table_err == ""
-    assert "step lines, 1 finish lines" in table
+    assert "step lines, " in table and "prefill lines, 1 finish lines" in table
     for heading in ("counters", "derived", "accepted length histogram", "accepted_at / drafted_at"):
         assert heading in table
     for key, value in printed.items():

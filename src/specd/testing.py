@@ -31,6 +31,7 @@ _LOG_FIELD = re.compile(r"(\w+)=(\[[^\]]*\]|\S+)")
 _LOG_INT_KEYS = frozenset({
     "steps", "spec_steps", "drafts", "draft_tokens", "accepted", "emitted", "nonspec_seq_steps", "nonspec_tokens",
     "drafted_at", "reached_at", "accepted_at", "accepted_len_hist", "finished_requests",
+    "prefill_steps", "prefill_only_steps", "prefill_tokens",
 })
 
 if TYPE_CHECKING:

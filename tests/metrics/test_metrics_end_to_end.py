@@ -42,13 +42,14 @@ K_MAX = 4
 MAX_TOKENS = 40
 MODEL_LABEL = "tiny-bigram"
 PER_POSITION = ("drafted_at", "reached_at", "accepted_at")
-SECONDS = ("propose_s", "verify_s", "sample_s")
+SECONDS = ("propose_s", "verify_s", "sample_s", "prefill_s")
 # Log-line key -> get_metrics() counter name.
 LOG_COUNTERS = {
     "steps": "steps", "spec_steps": "spec_steps", "drafts": "drafts", "draft_tokens": "draft_tokens",
     "accepted": "accepted_tokens", "emitted": "emitted_tokens", "nonspec_seq_steps": "nonspec_seq_steps",
     "nonspec_tokens": "nonspec_tokens", "drafted_at": "drafted_at", "reached_at": "reached_at",
     "accepted_at": "accepted_at", "accepted_len_hist": "accepted_length_hist",
+    "prefill_steps": "prefill_steps", "prefill_only_steps": "prefill_only_steps", "prefill_tokens": "prefill_tokens",
 }
 # Log-line key -> get_metrics() pooled derived name.
 LOG_DERIVED = {
@@ -275,7 +276,7 @@ def test_get_metrics_derived_values_follow_from_its_counters(run: Run, pooled_fr
 
 def test_log_lines_sum_to_get_metrics(run: Run, pooled_from_counters) -> None:
     c = run.metrics["counters"]
-    assert len(run.log_lines) >= c["steps"] - 1 >= 10
+    assert run.log_lines and c["steps"] >= 10
     summed: dict[str, Any] = {}
     for line in run.log_lines:
         line_counters = {name: line[key] for key, name in LOG_COUNTERS.items()}
@@ -308,7 +309,7 @@ def test_prometheus_equals_get_metrics(run: Run, pooled_from_counters) -> None:
     scalars = {
         name: value(f"specd_spec_decode_{name}_total")
         for name in ("drafts", "draft_tokens", "accepted_tokens", "emitted_tokens", "steps", "spec_steps",
-                     "nonspec_seq_steps", "nonspec_tokens")
+                     "nonspec_seq_steps", "nonspec_tokens", "prefill_steps", "prefill_tokens")
     }
     assert scalars == {name: c[name] for name in scalars}
     per_position = {
@@ -343,8 +344,9 @@ def test_prometheus_equals_get_metrics(run: Run, pooled_from_counters) -> None:
     assert value("specd_spec_decode_request_mean_acceptance_length_sum") == pytest.approx(
         run.metrics["derived"]["mean_acceptance_length_mean_per_request"] * tau_count, rel=1e-12
     )
-    for phase in ("propose", "verify", "sample"):
-        assert value("specd_spec_decode_phase_seconds_count", ("phase", phase)) == c["steps"]
+    for phase in ("propose", "verify", "sample", "prefill"):
+        count = c["prefill_steps"] if phase == "prefill" else c["steps"]
+        assert value("specd_spec_decode_phase_seconds_count", ("phase", phase)) == count
         assert value("specd_spec_decode_phase_seconds_sum", ("phase", phase)) == pytest.approx(
             c[f"{phase}_s"], rel=1e-12
         )
@@ -396,3 +398,37 @@ def test_stop_string_inside_an_accepted_run_shows_accepted_above_emitted(bigram_
     # The global counters keep the same distinction (this engine ran only this request).
     counters = llm.get_metrics()["counters"]
     assert (counters["accepted_tokens"], counters["emitted_tokens"]) == (stats.accepted_tokens, stats.emitted_tokens)
+
+
+def test_prefill_only_steps_are_recorded_everywhere_with_prefill_time_apart(bigram_model, tokenizer, tmp_path) -> None:
+    """Long prompts and a small token budget: chunked prefill makes steps that sample nothing. They count in
+    steps, the prefill totals, the trace and Prometheus; mixed steps split the forward into prefill and verify."""
+    trace_path = tmp_path / "trace.jsonl"
+    registry = CollectorRegistry()
+    config = EngineConfig(
+        speculation=SpeculationConfig(method="ngram", num_speculative_tokens=K_MAX, k_policy="heuristic"),
+        max_model_len=256, max_num_seqs=4, max_num_batched_tokens=24, spec_trace_path=str(trace_path),
+    )
+    llm = LLM.from_model(bigram_model, tokenizer, config,
+                         stats_sinks=[PrometheusSink(registry, model=MODEL_LABEL, proposer="ngram")])
+    prompts = [[1, *range(10 + i, 10 + i + 90)] for i in range(3)]
+    llm.generate(prompt_token_ids=prompts,
+                 sampling_params=SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
+    llm.close()
+    c = llm.get_metrics()["counters"]
+    assert c["prefill_tokens"] == sum(len(p) for p in prompts)
+    assert c["prefill_only_steps"] >= 3  # 91-token prompts through a 24-token budget
+    assert c["prefill_steps"] > c["prefill_only_steps"]  # and some steps mix chunks with decoding rows
+    sampled_steps = {line.step for line in read_trace(trace_path) if isinstance(line, TraceRecord)}
+    assert c["steps"] == len(sampled_steps) + c["prefill_only_steps"]
+    assert c["prefill_s"] > 0 and c["verify_s"] > 0
+    recounted = recount(read_trace(trace_path), K_MAX).to_dict()["counters"]
+    assert {k: v for k, v in recounted.items() if k not in SECONDS} == {
+        k: v for k, v in c.items() if k not in SECONDS
+    }
+    for key in SECONDS:
+        assert recounted[key] == pytest.approx(c[key], rel=1e-12)
+    text = generate_latest(registry).decode()
+    labels = f'{{model="{MODEL_LABEL}",proposer="ngram"}}'
+    assert f"specd_spec_decode_steps_total{labels} {float(c['steps'])}" in text
+    assert f"specd_spec_decode_prefill_tokens_total{labels} {float(c['prefill_tokens'])}" in text

@@ -126,14 +126,29 @@ def test_record_step_rejects_bad_input_and_changes_nothing() -> None:
     for request_ids, tensor, message in bad:
         with pytest.raises(ValueError, match=message):
             recorder.record_step(request_ids, tensor, TIMES)
+    for prefill in (-1, True, 2.0):
+        with pytest.raises(ValueError, match="num_prefill_tokens"):
+            recorder.record_counts(["a"], [0], [0], [1], TIMES, num_prefill_tokens=prefill)  # type: ignore[arg-type]
     assert recorder.snapshot() == before
     assert recorder.request_stats("a").counters == before.counters
 
 
-@pytest.mark.parametrize("field", ["propose_s", "verify_s", "sample_s"])
+def test_prefill_only_step_counts_in_steps_and_prefill_totals_not_in_sequence_counters() -> None:
+    recorder = SpecStatsRecorder(k_max=2)
+    recorder.record_counts([], [], [], [], StepPhaseTimes(0.0, 0.0, 0.0, 0.04), num_prefill_tokens=64)
+    recorder.record_counts(["a"], [0], [0], [1], StepPhaseTimes(0.001, 0.01, 0.001, 0.03), num_prefill_tokens=48)
+    recorder.record_counts(["a"], [2], [1], [2], TIMES)
+    snapshot = recorder.snapshot()
+    totals = snapshot.step_totals
+    assert (totals.steps, totals.prefill_steps, totals.prefill_only_steps, totals.prefill_tokens) == (3, 2, 1, 112)
+    assert totals.prefill_s == pytest.approx(0.07)
+    assert snapshot.counters.target_forward_seq_steps == 2 and snapshot.counters.nonspec_seq_steps == 1
+
+
+@pytest.mark.parametrize("field", ["propose_s", "verify_s", "sample_s", "prefill_s"])
 @pytest.mark.parametrize("value", [-1.0, math.nan, math.inf])
 def test_step_phase_times_validated(field: str, value: float) -> None:
-    kwargs = {"propose_s": 0.0, "verify_s": 0.0, "sample_s": 0.0, field: value}
+    kwargs = {"propose_s": 0.0, "verify_s": 0.0, "sample_s": 0.0, "prefill_s": 0.0, field: value}
     with pytest.raises(ValueError, match=field):
         StepPhaseTimes(**kwargs)
 

@@ -62,6 +62,7 @@ class _StepProgress:
 
     started: float
     decode_only: bool
+    num_prefill_tokens: int
     num_seqs: int = 0
     proposed: float = 0.0
     forward_done: float = 0.0
@@ -224,9 +225,8 @@ class LLMEngine:
         scheduled = self.scheduler.schedule(self.speculator.wanted_k(self.scheduler.running, load)).scheduled
         if not scheduled:
             return StepResult(deltas, 0)
-        progress = _StepProgress(
-            time.perf_counter(), decode_only=not any(w.is_prefill for w in scheduled), num_seqs=len(scheduled)
-        )
+        num_prefill_tokens = sum(w.num_prefill for w in scheduled)
+        progress = _StepProgress(time.perf_counter(), not num_prefill_tokens, num_prefill_tokens, num_seqs=len(scheduled))
         error: Exception | None = None
         try:
             self._run(scheduled, progress)
@@ -312,9 +312,20 @@ class LLMEngine:
                 work.seq.num_steps += 1
 
     def _record(self, progress: _StepProgress) -> None:
-        """record: the step's counts to the stats recorder and its outcome and cost to every k policy."""
+        """record: the step's counts to the stats recorder and its outcome and cost to every k policy (a step that
+        only prefilled prompt chunks is recorded too, with no sequences; k policies see steps that sampled)."""
         committed = progress.committed
+        # One forward ran the prompt chunks and the verified rows together: its time is split by token share.
+        forward_s = progress.forward_done - progress.proposed
+        prefill_share = progress.num_prefill_tokens / progress.num_new_tokens if progress.num_new_tokens else 0.0
+        times = StepPhaseTimes(
+            progress.proposed - progress.started,
+            forward_s * (1.0 - prefill_share),
+            progress.verified - progress.forward_done,
+            forward_s * prefill_share,
+        )
         if not committed:
+            self.recorder.record_counts([], [], [], [], times, num_prefill_tokens=progress.num_prefill_tokens)
             return
         report = StepReport(
             outcomes=[done.outcome for done in committed],
@@ -332,12 +343,9 @@ class LLMEngine:
             [done.outcome.num_drafted for done in committed],
             [done.outcome.num_accepted for done in committed],
             [done.num_emitted for done in committed],
-            StepPhaseTimes(
-                progress.proposed - progress.started,
-                progress.forward_done - progress.proposed,
-                progress.verified - progress.forward_done,
-            ),
+            times,
             {done.seq.request_id for done in committed if done.seq.params.spec_detail},
+            progress.num_prefill_tokens,
         )
 
     # ------------------------------------------------------------- helpers

@@ -57,6 +57,10 @@ def format_log_line(snapshot: SpecMetricsSnapshot, interval_s: float | None = No
         f"propose_s={totals.propose_s:.6f}",
         f"verify_s={totals.verify_s:.6f}",
         f"sample_s={totals.sample_s:.6f}",
+        f"prefill_steps={totals.prefill_steps}",
+        f"prefill_only_steps={totals.prefill_only_steps}",
+        f"prefill_tokens={totals.prefill_tokens}",
+        f"prefill_s={totals.prefill_s:.6f}",
     ]
     if interval_s is not None:
         fields.append(f"interval_s={interval_s:.3f}")

@@ -63,6 +63,8 @@ class PrometheusSink:
         self._recorder: SpecStatsRecorder | None = None
         self._steps = 0
         self._spec_steps = 0
+        self._prefill_steps = 0
+        self._prefill_tokens = 0
 
     def bind(self, recorder: SpecStatsRecorder) -> None:
         """Take k_max from the recorder and register in the registry (once: a sink serves one recorder)."""
@@ -84,6 +86,7 @@ class PrometheusSink:
         self._propose = phase.labels(model, proposer, "propose")
         self._verify = phase.labels(model, proposer, "verify")
         self._sample = phase.labels(model, proposer, "sample")
+        self._prefill = phase.labels(model, proposer, "prefill")
         self._request_tau = Histogram(
             f"{NAMESPACE}_request_mean_acceptance_length",
             "Mean acceptance length (tau = 1 + accepted/drafts) of each finished request that drafted.",
@@ -99,9 +102,14 @@ class PrometheusSink:
             self._steps += 1
             if any(record.num_draft_tokens):
                 self._spec_steps += 1
+            if record.num_prefill_tokens:
+                self._prefill_steps += 1
+                self._prefill_tokens += record.num_prefill_tokens
         self._propose.observe(record.times.propose_s)
         self._verify.observe(record.times.verify_s)
         self._sample.observe(record.times.sample_s)
+        if record.num_prefill_tokens:  # observed on steps that prefill only, like the counters above
+            self._prefill.observe(record.times.prefill_s)
 
     def on_request_finished(self, request_id: str, stats: RequestSpecStats) -> None:
         tau = stats.mean_acceptance_length
@@ -122,6 +130,7 @@ class PrometheusSink:
         with self._lock:
             counters = self._cells.freeze()
             steps, spec_steps = self._steps, self._spec_steps
+            prefill_steps, prefill_tokens = self._prefill_steps, self._prefill_tokens
         sink_errors = self._recorder.sink_errors
         names, values = list(self._labels), list(self._labels.values())
 
@@ -151,8 +160,10 @@ class PrometheusSink:
         if with_samples:
             sink_family.add_metric(values, sink_errors)
         yield sink_family
-        yield counter("steps", "Verification steps recorded.", steps)
+        yield counter("steps", "Engine steps recorded (every forward, prefill-only steps included).", steps)
         yield counter("spec_steps", "Steps with at least one draft.", spec_steps)
+        yield counter("prefill_steps", "Steps whose forward prefilled at least one prompt chunk.", prefill_steps)
+        yield counter("prefill_tokens", "Prompt tokens prefilled.", prefill_tokens)
         yield counter("nonspec_seq_steps", "Sequence-steps with no draft (k = 0).", counters.nonspec_seq_steps)
         yield counter("nonspec_tokens", "Tokens emitted by sequence-steps with no draft.", counters.nonspec_tokens)
         for name, doc, per_position in (

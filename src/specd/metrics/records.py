@@ -34,17 +34,26 @@ def ratio(numerator: float, denominator: float) -> float | None:
 
 @dataclass(frozen=True, slots=True)
 class StepPhaseTimes:
-    """Seconds this step spent proposing, in the target forward (verify) and in rejection sampling."""
+    """Seconds this step spent proposing, in the target forward and in rejection sampling.
+
+    One target forward serves both the prompt chunks being prefilled and the rows being verified; its time is
+    split between `prefill_s` and `verify_s` in proportion to their tokens (the engine cannot time the two
+    apart inside one forward). A step without prefill has prefill_s = 0; a prefill-only step has verify_s = 0.
+    """
 
     propose_s: float
     verify_s: float
     sample_s: float
+    prefill_s: float = 0.0
 
     def __post_init__(self) -> None:
         # One chained check on the fast path; NaN fails every comparison and is rejected too.
-        if 0.0 <= self.propose_s < math.inf and 0.0 <= self.verify_s < math.inf and (0.0 <= self.sample_s < math.inf):
+        if (
+            0.0 <= self.propose_s < math.inf and 0.0 <= self.verify_s < math.inf and 0.0 <= self.sample_s < math.inf
+            and 0.0 <= self.prefill_s < math.inf
+        ):
             return
-        for name in ("propose_s", "verify_s", "sample_s"):
+        for name in ("propose_s", "verify_s", "sample_s", "prefill_s"):
             value = getattr(self, name)
             if not 0.0 <= value < math.inf:
                 raise ValueError(f"{name}: must be a finite number of seconds >= 0, got {value!r}")
@@ -62,7 +71,8 @@ class StepDetail(NamedTuple):
 class StepRecord(NamedTuple):
     """What every sink receives once per step. Read-only: sinks must not mutate the lists.
 
-    The three count lists are aligned with request_ids ([num_seqs] each).
+    The three count lists are aligned with request_ids ([num_seqs] each); they are empty for a step that
+    only prefilled prompt chunks (num_prefill_tokens > 0, no sequence sampled).
     """
 
     step: int  # 0-based index of this step in the recorder
@@ -72,6 +82,7 @@ class StepRecord(NamedTuple):
     num_accepted_tokens: Sequence[int]  # a_i, the verifier's decision (before stop truncation)
     num_emitted_tokens: Sequence[int]  # e_i, after stop truncation, bonus/correction included
     times: StepPhaseTimes
+    num_prefill_tokens: int = 0  # prompt tokens this step's forward prefilled, all chunks together
 
 
 def add_tuples(left: tuple[int, ...], right: tuple[int, ...]) -> tuple[int, ...]:
@@ -222,11 +233,15 @@ class SpecCounters:
 class StepTotals:
     """Step-level (batch-level) totals of a window; they add across windows, not across requests."""
 
-    steps: int = 0
+    steps: int = 0  # every engine step with a forward, prefill-only ones included
     spec_steps: int = 0  # steps with at least one draft
     propose_s: float = 0.0
     verify_s: float = 0.0
     sample_s: float = 0.0
+    prefill_steps: int = 0  # steps whose forward prefilled at least one prompt chunk
+    prefill_only_steps: int = 0  # of those, steps that sampled no sequence at all
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
 
     def __add__(self, other: StepTotals) -> StepTotals:
         if not isinstance(other, StepTotals):
@@ -237,6 +252,10 @@ class StepTotals:
             self.propose_s + other.propose_s,
             self.verify_s + other.verify_s,
             self.sample_s + other.sample_s,
+            self.prefill_steps + other.prefill_steps,
+            self.prefill_only_steps + other.prefill_only_steps,
+            self.prefill_tokens + other.prefill_tokens,
+            self.prefill_s + other.prefill_s,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -246,4 +265,8 @@ class StepTotals:
             "propose_s": self.propose_s,
             "verify_s": self.verify_s,
             "sample_s": self.sample_s,
+            "prefill_steps": self.prefill_steps,
+            "prefill_only_steps": self.prefill_only_steps,
+            "prefill_tokens": self.prefill_tokens,
+            "prefill_s": self.prefill_s,
         }

@@ -153,6 +153,10 @@ class SpecStatsRecorder:
         self._interval_propose_s = 0.0
         self._interval_verify_s = 0.0
         self._interval_sample_s = 0.0
+        self._interval_prefill_steps = 0
+        self._interval_prefill_only_steps = 0
+        self._interval_prefill_tokens = 0
+        self._interval_prefill_s = 0.0
         self._interval_requests = PerRequestAggregates.zero(self.k_max)
 
     def record_step(
@@ -161,6 +165,7 @@ class SpecStatsRecorder:
         counts: torch.Tensor,  # [3, num_seqs] integer: rows k_i, a_i, e_i
         times: StepPhaseTimes,
         detail_request_ids: Collection[str] = frozenset(),
+        num_prefill_tokens: int = 0,
     ) -> None:
         """`record_counts` for counts held in one tensor (e.g. on a device): one device-to-host copy.
 
@@ -172,7 +177,9 @@ class SpecStatsRecorder:
         if counts.dtype not in _INT_DTYPES:
             raise ValueError(f"counts: expected an integer tensor, got {counts.dtype}")
         num_draft, num_accepted, num_emitted = counts.tolist()
-        self.record_counts(request_ids, num_draft, num_accepted, num_emitted, times, detail_request_ids)
+        self.record_counts(
+            request_ids, num_draft, num_accepted, num_emitted, times, detail_request_ids, num_prefill_tokens
+        )
 
     def record_counts(
         self,
@@ -182,15 +189,20 @@ class SpecStatsRecorder:
         num_emitted: Sequence[int],  # e_i
         times: StepPhaseTimes,
         detail_request_ids: Collection[str] = frozenset(),
+        num_prefill_tokens: int = 0,
     ) -> None:
-        """Add one verification step to every window and hand its record to every sink.
+        """Add one engine step to every window and hand its record to every sink.
 
-        Sequences with k_i == 0 are included (they count as non-speculative sequence-steps). Raises
-        ValueError, changing nothing, if the lengths differ or any (k_i, a_i, e_i) is out of range.
+        Sequences with k_i == 0 are included (they count as non-speculative sequence-steps). A step that only
+        prefilled prompt chunks has no sequences and num_prefill_tokens > 0: it counts in steps, the prefill
+        totals and the phase times. Raises ValueError, changing nothing, if the lengths differ or any
+        (k_i, a_i, e_i) is out of range.
         """
         num_seqs = len(request_ids)
-        if num_seqs == 0:
-            raise ValueError("request_ids: a step verifies at least one sequence")
+        if isinstance(num_prefill_tokens, bool) or not isinstance(num_prefill_tokens, int) or num_prefill_tokens < 0:
+            raise ValueError(f"num_prefill_tokens: must be an integer >= 0, got {num_prefill_tokens!r}")
+        if num_seqs == 0 and num_prefill_tokens == 0:
+            raise ValueError("request_ids: a step samples at least one sequence or prefills a prompt chunk")
         if not len(num_draft) == len(num_accepted) == len(num_emitted) == num_seqs:
             raise ValueError(f"counts: expected {num_seqs} (k_i, a_i, e_i) per sequence")
         num_draft, num_accepted, num_emitted = list(num_draft), list(num_accepted), list(num_emitted)
@@ -228,8 +240,15 @@ class SpecStatsRecorder:
             self._interval_propose_s += times.propose_s
             self._interval_verify_s += times.verify_s
             self._interval_sample_s += times.sample_s
+            if num_prefill_tokens:
+                self._interval_prefill_steps += 1
+                self._interval_prefill_only_steps += num_seqs == 0
+                self._interval_prefill_tokens += num_prefill_tokens
+                self._interval_prefill_s += times.prefill_s
         if self._sinks:
-            record = StepRecord(step, now, request_ids, num_draft, num_accepted, num_emitted, times)
+            record = StepRecord(
+                step, now, request_ids, num_draft, num_accepted, num_emitted, times, num_prefill_tokens
+            )
             self._fanout.on_step(record)
 
     def _record_detail(
@@ -275,6 +294,10 @@ class SpecStatsRecorder:
             self._interval_propose_s,
             self._interval_verify_s,
             self._interval_sample_s,
+            self._interval_prefill_steps,
+            self._interval_prefill_only_steps,
+            self._interval_prefill_tokens,
+            self._interval_prefill_s,
         )
         return SpecMetricsSnapshot(self._interval.freeze(), totals, self._interval_requests)
 

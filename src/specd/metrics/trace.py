@@ -1,9 +1,13 @@
 """JSONL step trace: a sink that writes one line per (step, request), a reader, and an independent recount.
 
-Two kinds of line, one JSON object each. A step line per (step, request); phase times are the whole
-step's, repeated on each of its lines:
+Three kinds of line, one JSON object each. A step line per (step, request) that sampled; phase times are
+the whole step's, repeated on each of its lines:
     {"step": 12, "time": 1733150000.123, "request_id": "req-7", "k": 4, "accepted": 2, "emitted": 3,
-     "propose_s": 0.0011, "verify_s": 0.0213, "sample_s": 0.0004}
+     "propose_s": 0.0011, "verify_s": 0.0213, "sample_s": 0.0004, "prefill_s": 0.0}
+a prefill line per step whose forward prefilled prompt chunks (before that step's step lines, if any; a
+prefill-only step has only this line):
+    {"event": "prefill", "step": 11, "time": 1733150000.101, "tokens": 256, "propose_s": 0.0,
+     "verify_s": 0.0, "sample_s": 0.0, "prefill_s": 0.0408}
 and a finish line when the engine finishes (or aborts) a request:
     {"event": "finish", "time": 1733150001.5, "request_id": "req-7"}
 
@@ -28,6 +32,7 @@ from specd.metrics.stats import SpecStatsRecorder
 
 _INT_FIELDS = ("step", "k", "accepted", "emitted")
 _FLOAT_FIELDS = ("time", "propose_s", "verify_s", "sample_s")
+_PREFILL_FIELDS = ("step", "tokens", "time", "propose_s", "verify_s", "sample_s", "prefill_s")
 
 
 class TraceFormatError(SpecdError, ValueError):
@@ -46,6 +51,19 @@ class TraceRecord(NamedTuple):
     propose_s: float
     verify_s: float
     sample_s: float
+    prefill_s: float = 0.0  # absent in traces written before prefill was timed apart
+
+
+class TracePrefill(NamedTuple):
+    """One prefill line: the step's forward prefilled `tokens` prompt tokens (all chunks together)."""
+
+    step: int
+    time: float
+    tokens: int
+    propose_s: float
+    verify_s: float
+    sample_s: float
+    prefill_s: float
 
 
 class TraceFinish(NamedTuple):
@@ -70,10 +88,15 @@ class TraceSink:
 
     def on_step(self, record: StepRecord) -> None:
         times = record.times
+        phases = (f'"propose_s":{times.propose_s!r},"verify_s":{times.verify_s!r},"sample_s":{times.sample_s!r},'
+                  f'"prefill_s":{times.prefill_s!r}}}\n')
         head = f'{{"step":{record.step},"time":{record.time_s!r},"request_id":'
-        tail = f',"propose_s":{times.propose_s!r},"verify_s":{times.verify_s!r},"sample_s":{times.sample_s!r}}}\n'
+        tail = "," + phases
         quoted_ids = self._quoted_ids
         lines = []
+        if record.num_prefill_tokens:
+            lines.append(f'{{"event":"prefill","step":{record.step},"time":{record.time_s!r},'
+                         f'"tokens":{record.num_prefill_tokens},{phases}')
         for request_id, k, a, e in zip(
             record.request_ids, record.num_draft_tokens, record.num_accepted_tokens, record.num_emitted_tokens
         ):
@@ -105,7 +128,21 @@ class TraceSink:
         self.close()
 
 
-def _parse_line(path: Path, line_no: int, line: str) -> TraceRecord | TraceFinish:
+def _parse_prefill(where: str, obj: dict[str, Any]) -> TracePrefill:
+    for name in _PREFILL_FIELDS:
+        value = obj.get(name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise TraceFormatError(f"{where}: prefill line needs a number >= 0 in {name!r}, got {value!r}")
+    for name in ("step", "tokens"):
+        if not isinstance(obj[name], int):
+            raise TraceFormatError(f"{where}: prefill line field {name!r} must be an integer, got {obj[name]!r}")
+    return TracePrefill(
+        obj["step"], float(obj["time"]), obj["tokens"],
+        *(float(obj[name]) for name in ("propose_s", "verify_s", "sample_s", "prefill_s")),
+    )
+
+
+def _parse_line(path: Path, line_no: int, line: str) -> TraceRecord | TracePrefill | TraceFinish:
     where = f"{path}:{line_no}"
     try:
         obj: Any = json.loads(line)
@@ -120,14 +157,19 @@ def _parse_line(path: Path, line_no: int, line: str) -> TraceRecord | TraceFinis
         if isinstance(obj.get("time"), bool) or not isinstance(obj.get("time"), (int, float)):
             raise TraceFormatError(f"{where}: finish line needs a number 'time'")
         return TraceFinish(float(obj["time"]), obj["request_id"])
+    if event == "prefill":
+        return _parse_prefill(where, obj)
     if event != "step":
-        raise TraceFormatError(f"{where}: unknown event {event!r} (expected 'step' or 'finish')")
+        raise TraceFormatError(f"{where}: unknown event {event!r} (expected 'step', 'prefill' or 'finish')")
     for name in (*_INT_FIELDS, *_FLOAT_FIELDS, "request_id"):
         if name not in obj:
             raise TraceFormatError(f"{where}: missing field {name!r}")
     for name in _INT_FIELDS:
         if isinstance(obj[name], bool) or not isinstance(obj[name], int) or obj[name] < 0:
             raise TraceFormatError(f"{where}: field {name!r} must be an integer >= 0, got {obj[name]!r}")
+    prefill_s = obj.get("prefill_s", 0.0)
+    if isinstance(prefill_s, bool) or not isinstance(prefill_s, (int, float)) or prefill_s < 0:
+        raise TraceFormatError(f"{where}: field 'prefill_s' must be a number >= 0, got {prefill_s!r}")
     for name in _FLOAT_FIELDS:
         if isinstance(obj[name], bool) or not isinstance(obj[name], (int, float)) or obj[name] < 0:
             raise TraceFormatError(f"{where}: field {name!r} must be a number >= 0, got {obj[name]!r}")
@@ -149,10 +191,11 @@ def _parse_line(path: Path, line_no: int, line: str) -> TraceRecord | TraceFinis
         float(obj["propose_s"]),
         float(obj["verify_s"]),
         float(obj["sample_s"]),
+        float(prefill_s),
     )
 
 
-def read_trace(path: str | Path) -> list[TraceRecord | TraceFinish]:
+def read_trace(path: str | Path) -> list[TraceRecord | TracePrefill | TraceFinish]:
     """Parse a trace file; blank lines are skipped. Raises TraceFormatError naming the file and line."""
     path = Path(path)
     try:
@@ -212,19 +255,28 @@ class _Tally:
         )
 
 
-def recount(records: Iterable[TraceRecord | TraceFinish], k_max: int) -> SpecMetricsSnapshot:
+def recount(records: Iterable[TraceRecord | TracePrefill | TraceFinish], k_max: int) -> SpecMetricsSnapshot:
     """Recompute a snapshot from trace lines alone.
 
-    Per-request aggregates cover the requests with a finish line, as in the recorder; requests still
+    Prefill lines count in steps, phase times and the prefill totals. Per-request aggregates cover the
+    requests with a finish line, as in the recorder; requests still
     running when the trace ends count in the totals only. Phase times are taken once per step.
     Raises ValueError if a line's k exceeds k_max.
     """
     total = _Tally(k_max)
     per_request: dict[str, _Tally] = {}
     aggregates = PerRequestAggregates.zero(k_max)
-    step_times: dict[int, tuple[float, float, float]] = {}
+    step_times: dict[int, tuple[float, float, float, float]] = {}
     spec_steps: set[int] = set()
+    sampled_steps: set[int] = set()
+    prefill_tokens: dict[int, int] = {}
     for record in records:
+        if isinstance(record, TracePrefill):
+            prefill_tokens[record.step] = record.tokens
+            step_times.setdefault(
+                record.step, (record.propose_s, record.verify_s, record.sample_s, record.prefill_s)
+            )
+            continue
         if isinstance(record, TraceFinish):
             tally = per_request.pop(record.request_id, None)
             aggregates = aggregates.observe(tally.counters() if tally else SpecCounters.zero(k_max))
@@ -233,7 +285,8 @@ def recount(records: Iterable[TraceRecord | TraceFinish], k_max: int) -> SpecMet
             raise ValueError(f"k_max: trace line for step {record.step} has k={record.k} > k_max={k_max}")
         total.add(record.k, record.accepted, record.emitted)
         per_request.setdefault(record.request_id, _Tally(k_max)).add(record.k, record.accepted, record.emitted)
-        step_times.setdefault(record.step, (record.propose_s, record.verify_s, record.sample_s))
+        step_times.setdefault(record.step, (record.propose_s, record.verify_s, record.sample_s, record.prefill_s))
+        sampled_steps.add(record.step)
         if record.k > 0:
             spec_steps.add(record.step)
     totals = StepTotals(
@@ -242,5 +295,9 @@ def recount(records: Iterable[TraceRecord | TraceFinish], k_max: int) -> SpecMet
         propose_s=sum(times[0] for times in step_times.values()),
         verify_s=sum(times[1] for times in step_times.values()),
         sample_s=sum(times[2] for times in step_times.values()),
+        prefill_steps=len(prefill_tokens),
+        prefill_only_steps=len(prefill_tokens.keys() - sampled_steps),
+        prefill_tokens=sum(prefill_tokens.values()),
+        prefill_s=sum(step_times[step][3] for step in prefill_tokens),
     )
     return SpecMetricsSnapshot(total.counters(), totals, aggregates)

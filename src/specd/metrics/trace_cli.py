@@ -13,7 +13,7 @@ from typing import TextIO
 
 from specd.metrics.records import SCALAR_METRICS
 from specd.metrics.snapshots import SpecMetricsSnapshot
-from specd.metrics.trace import TraceFormatError, TraceRecord, read_trace, recount
+from specd.metrics.trace import TraceFinish, TraceFormatError, TraceRecord, read_trace, recount
 
 _BAR_WIDTH = 30
 _EIGHTHS = " ▏▎▍▌▋▊▉█"
@@ -49,6 +49,10 @@ def render_table(snapshot: SpecMetricsSnapshot, out: TextIO) -> None:
         ("propose_s", f"{totals.propose_s:.6f}"),
         ("verify_s", f"{totals.verify_s:.6f}"),
         ("sample_s", f"{totals.sample_s:.6f}"),
+        ("prefill_steps", str(totals.prefill_steps)),
+        ("prefill_only_steps", str(totals.prefill_only_steps)),
+        ("prefill_tokens", str(totals.prefill_tokens)),
+        ("prefill_s", f"{totals.prefill_s:.6f}"),
     ]
     key_width = max(len(key) for key, _ in rows)
     out.write("counters\n")
@@ -144,7 +148,9 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.write("\n")
     else:
         num_steps = sum(1 for record in records if isinstance(record, TraceRecord))
-        sys.stdout.write(f"{args.file}: {num_steps} step lines, {len(records) - num_steps} finish lines\n\n")
+        num_finish = sum(1 for record in records if isinstance(record, TraceFinish))
+        sys.stdout.write(f"{args.file}: {num_steps} step lines, {len(records) - num_steps - num_finish} prefill lines, "
+                         f"{num_finish} finish lines\n\n")
         render_table(snapshot, sys.stdout)
     if args.plot:
         try:
