@@ -17,6 +17,7 @@ from specd.config import EngineConfig
 from specd.engine.outputs import RequestDelta
 from specd.errors import InvalidParameterError
 from specd.metrics.log_sink import NOT_AVAILABLE, PREFIX
+from specd.metrics.records import K0_CAUSES
 from specd.model.config import ModelArchConfig
 from specd.model.llama import LlamaForCausalLM, build_model
 from specd.model.tokenizer import Tokenizer, byte_level_alphabet
@@ -31,7 +32,8 @@ _LOG_FIELD = re.compile(r"(\w+)=(\[[^\]]*\]|\S+)")
 _LOG_INT_KEYS = frozenset({
     "steps", "spec_steps", "drafts", "draft_tokens", "accepted", "emitted", "nonspec_seq_steps", "nonspec_tokens",
     "drafted_at", "reached_at", "accepted_at", "accepted_len_hist", "finished_requests",
-    "prefill_steps", "prefill_only_steps", "prefill_tokens",
+    "prefill_steps", "prefill_only_steps", "prefill_tokens", "proposed", "cut_policy", "cut_grammar",
+    *(f"k0_{cause}" for cause in K0_CAUSES),
 })
 
 if TYPE_CHECKING:

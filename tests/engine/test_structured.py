@@ -97,3 +97,18 @@ def test_bad_constraints_name_the_field(make_llm):
     with pytest.raises(InvalidParameterError) as info:
         _params(ignore_eos=True)
     assert info.value.field == "ignore_eos"
+
+
+def test_drafts_the_grammar_cuts_are_counted_as_proposed_and_cut(make_llm):
+    """The n-gram proposer copies the prompt's JSON, which the schema partly forbids: what cut_drafts removes
+    before verification is counted (cut_grammar_tokens, and k = 0 steps with cause "grammar"), and proposed =
+    verified + cut by the policy + cut by the grammar."""
+    spec = SpeculationConfig(method="ngram", num_speculative_tokens=4)
+    llm = make_llm(spec, max_num_seqs=4)
+    prompts = ['{"id": 12, "tag": "red", "ok": true, "x": 1} {"id": 12, "tag": "red", "ok": true, "x": 1} {"id": 12']
+    llm.generate(prompts * 2, _params())
+    c = llm.get_metrics()["counters"]
+    assert c["cut_grammar_tokens"] > 0
+    assert c["proposed_tokens"] == c["draft_tokens"] + c["cut_policy_tokens"] + c["cut_grammar_tokens"]
+    assert sum(c["nonspec_by_cause"].values()) == c["nonspec_seq_steps"]
+    assert c["nonspec_by_cause"]["first_token"] == 2

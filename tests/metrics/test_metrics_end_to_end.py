@@ -31,11 +31,11 @@ from specd.engine.outputs import RequestOutput
 from specd.llm import LLM
 from specd.metrics.log_sink import PREFIX
 from specd.metrics.prometheus_sink import PrometheusSink
-from specd.metrics.records import SCALAR_METRICS, SpecCounters, StepDetail
+from specd.metrics.records import K0_CAUSES, SCALAR_METRICS, SpecCounters, StepDetail
 from specd.metrics.trace import TraceRecord, read_trace, recount
 from specd.model.llama import LlamaForCausalLM
 from specd.model.tokenizer import Tokenizer
-from specd.sampling.params import SamplingParams
+from specd.sampling.params import SamplingParams, SpecOverride
 from specd.testing import byte_tokenizer, parse_log_line, tiny_hf_config_dict, tiny_specd_model
 
 K_MAX = 4
@@ -432,3 +432,44 @@ def test_prefill_only_steps_are_recorded_everywhere_with_prefill_time_apart(bigr
     labels = f'{{model="{MODEL_LABEL}",proposer="ngram"}}'
     assert f"specd_spec_decode_steps_total{labels} {float(c['steps'])}" in text
     assert f"specd_spec_decode_prefill_tokens_total{labels} {float(c['prefill_tokens'])}" in text
+
+
+def test_proposed_tokens_and_k0_causes_add_up(run: Run) -> None:
+    c = run.metrics["counters"]
+    causes = c["nonspec_by_cause"]
+    assert c["proposed_tokens"] == c["draft_tokens"] + c["cut_policy_tokens"] + c["cut_grammar_tokens"]
+    assert c["cut_grammar_tokens"] == 0  # no grammar in this run
+    assert sum(causes.values()) == c["nonspec_seq_steps"]
+    assert causes["first_token"] == len(run.outputs)  # every request's first token comes from its prompt's last chunk
+    assert causes["other"] == 0 and causes["disabled"] == 0 and causes["grammar"] == 0
+    assert causes["policy"] > 0  # the heuristic policy walks k down to 0 on the misleading prompt
+    assert causes["max_tokens"] > 0  # no drafts when one token is left
+    labels = (("model", MODEL_LABEL), ("proposer", "ngram"))
+    prom = run.prometheus
+    assert prom["specd_spec_decode_proposed_tokens_total"][labels] == c["proposed_tokens"]
+    assert prom["specd_spec_decode_cut_tokens_total"][tuple(sorted((*labels, ("cause", "policy"))))] == (
+        c["cut_policy_tokens"])
+    for cause, count in causes.items():
+        assert prom["specd_spec_decode_nonspec_seq_steps_by_cause_total"][tuple(sorted((*labels, ("cause", cause))))] \
+            == count
+    summed = {key: sum(line[f"k0_{key}"] for line in run.log_lines) for key in causes}
+    assert summed == causes
+    assert sum(line["proposed"] for line in run.log_lines) == c["proposed_tokens"]
+
+
+def test_goodput_cuts_and_disabled_requests_are_counted(bigram_model, tokenizer) -> None:
+    spec = SpeculationConfig(method="ngram", num_speculative_tokens=K_MAX, k_policy="goodput")
+    llm = LLM.from_model(bigram_model, tokenizer, EngineConfig(speculation=spec, max_model_len=256, max_num_seqs=4))
+    chains = _chain_prompts(bigram_model, tokenizer)
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    off = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, speculation=SpecOverride(enabled=False))
+    outs = llm.generate(prompt_token_ids=[chains["copy"], chains["misleading"], chains["copy_2"]],
+                        sampling_params=[greedy, greedy, off])
+    c = llm.get_metrics()["counters"]
+    assert c["proposed_tokens"] == c["draft_tokens"] + c["cut_policy_tokens"] + c["cut_grammar_tokens"]
+    assert sum(c["nonspec_by_cause"].values()) == c["nonspec_seq_steps"]
+    assert c["cut_policy_tokens"] > 0  # goodput keeps a prefix of what the proposer found: the rest is counted
+    assert c["nonspec_by_cause"]["no_match"] > 0  # the misleading prompt gives the proposer nothing to copy
+    assert c["nonspec_by_cause"]["disabled"] == 4  # the speculation-off request's 5 tokens, the first from prefill
+    off_stats = outs[2].spec_stats.counters
+    assert off_stats.nonspec_by_cause[K0_CAUSES.index("disabled")] == 4 and off_stats.proposed_tokens == 0

@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from specd.metrics.log_sink import format_log_line
 from specd.metrics.prometheus_sink import PrometheusSink
-from specd.metrics.records import SCALAR_METRICS, SpecCounters
+from specd.metrics.records import K0_CAUSES, SCALAR_METRICS, K0Cause, SpecCounters
 from specd.metrics.snapshots import SpecMetricsSnapshot, tau_bucket_bounds
 from specd.metrics.stats import RequestSpecStats, SpecStatsRecorder, StepPhaseTimes
 from specd.metrics.trace import TraceSink, read_trace, recount
@@ -32,6 +32,7 @@ SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[Healt
 class Step:
     request_ids: list[str]
     rows: list[tuple[int, int, int]]  # (k, a, e) per sequence
+    drafting: list[tuple[int, int, K0Cause]]  # (proposed p >= k, grammar cut g <= p - k, k = 0 cause) per sequence
     times: StepPhaseTimes
     finish_after: list[str]
     take_interval_after: bool
@@ -57,16 +58,18 @@ def scenarios(draw: Any, fixed_k: bool = False) -> Scenario:
             live.append(f"{draw(st.sampled_from(prefixes))}{next_id}")
             next_id += 1
         batch = draw(st.lists(st.sampled_from(live), min_size=1, max_size=len(live), unique=True))
-        rows = []
+        rows, drafting = [], []
         for _ in batch:
             k = k_fixed if k_fixed is not None else draw(st.integers(0, k_max))
             a = draw(st.integers(0, k))
             e = draw(st.integers(0, a + 1))  # e < a + 1: a stop string / EOS truncated the accepted run
             rows.append((k, a, e))
+            proposed = draw(st.integers(k, k_max))
+            drafting.append((proposed, draw(st.integers(0, proposed - k)), draw(st.sampled_from(K0_CAUSES))))
         times = StepPhaseTimes(*(draw(st.floats(0, 0.5, allow_nan=False)) for _ in range(3)))
         finish = draw(st.lists(st.sampled_from(live), max_size=2, unique=True))
         live = [request_id for request_id in live if request_id not in finish]
-        steps.append(Step(batch, rows, times, finish, draw(st.booleans())))
+        steps.append(Step(batch, rows, drafting, times, finish, draw(st.booleans())))
     if live:
         steps[-1].finish_after.extend(live)
     return Scenario(k_max, k_fixed, steps)
@@ -80,6 +83,7 @@ class Run:
     exposition: str
     trace_snapshot: SpecMetricsSnapshot
     rows: list[tuple[int, str, int, int, int]] = field(default_factory=list)  # (step, id, k, a, e)
+    drafting: list[tuple[int, int, K0Cause]] = field(default_factory=list)  # aligned with rows
 
 
 def run(scenario: Scenario) -> Run:
@@ -89,25 +93,38 @@ def run(scenario: Scenario) -> Run:
         trace_path = Path(tmp) / "trace.jsonl"
         with TraceSink(trace_path) as trace:
             recorder = SpecStatsRecorder(scenario.k_max, sinks=[prometheus, trace])
-            intervals, finished, rows = [], {}, []
+            intervals, finished, rows, drafting = [], {}, [], []
             for index, step in enumerate(scenario.steps):
                 counts = torch.tensor(step.rows, dtype=torch.int64).T  # [3, num_seqs]
-                recorder.record_step(step.request_ids, counts, step.times)
+                recorder.record_step(
+                    step.request_ids, counts, step.times, num_proposed=[p for p, _, _ in step.drafting],
+                    num_grammar_cut=[g for _, g, _ in step.drafting], k0_causes=[c for _, _, c in step.drafting],
+                )
                 rows += [(index, rid, *row) for rid, row in zip(step.request_ids, step.rows)]
+                drafting += step.drafting
                 for request_id in step.finish_after:
                     finished[request_id] = recorder.finish_request(request_id)
                 if step.take_interval_after:
                     intervals.append(recorder.take_interval())
             intervals.append(recorder.take_interval())
         trace_snapshot = recount(read_trace(trace_path), scenario.k_max)
-    return Run(recorder, intervals, finished, generate_latest(registry).decode(), trace_snapshot, rows)
+    return Run(recorder, intervals, finished, generate_latest(registry).decode(), trace_snapshot, rows, drafting)
 
 
-def brute_force(rows: list[tuple[int, str, int, int, int]], k_max: int) -> dict[str, Any]:
+def brute_force(
+    rows: list[tuple[int, str, int, int, int]], drafting: list[tuple[int, int, K0Cause]], k_max: int
+) -> dict[str, Any]:
     """The definitions, literally."""
     drafts = [(k, a, e) for _, _, k, a, e in rows if k >= 1]
     positions = range(1, k_max + 1)
     return {
+        "proposed_tokens": sum(p for p, _, _ in drafting),
+        "cut_grammar_tokens": sum(g for _, g, _ in drafting),
+        "cut_policy_tokens": sum(p - row[2] - g for row, (p, g, _) in zip(rows, drafting)),
+        "nonspec_by_cause": {
+            cause: sum(1 for row, (_, _, c) in zip(rows, drafting) if row[2] == 0 and c == cause)
+            for cause in K0_CAUSES
+        },
         "drafts": len(drafts),
         "draft_tokens": sum(k for k, _, _ in drafts),
         "accepted_tokens": sum(a for _, a, _ in drafts),
@@ -125,8 +142,10 @@ def brute_force(rows: list[tuple[int, str, int, int, int]], k_max: int) -> dict[
     }
 
 
-def assert_counters_equal_brute(counters: SpecCounters, rows: list[tuple[int, str, int, int, int]]) -> None:
-    expected = brute_force(rows, counters.k_max)
+def assert_counters_equal_brute(
+    counters: SpecCounters, rows: list[tuple[int, str, int, int, int]], drafting: list[tuple[int, int, K0Cause]]
+) -> None:
+    expected = brute_force(rows, drafting, counters.k_max)
     actual = counters.to_dict()
     assert {key: actual[key] for key in expected} == expected
 
@@ -136,13 +155,16 @@ def assert_counters_equal_brute(counters: SpecCounters, rows: list[tuple[int, st
 def test_counters_equal_brute_force_recount(scenario: Scenario) -> None:
     result = run(scenario)
     snapshot = result.recorder.snapshot()
-    assert_counters_equal_brute(snapshot.counters, result.rows)
+    assert_counters_equal_brute(snapshot.counters, result.rows, result.drafting)
     assert snapshot.step_totals.steps == len(scenario.steps)
     assert snapshot.step_totals.spec_steps == sum(1 for s in scenario.steps if any(k for k, _, _ in s.rows))
     assert snapshot.step_totals.verify_s == pytest.approx(sum(s.times.verify_s for s in scenario.steps))
     # Every request's counters match a brute force over its own rows.
     for request_id, stats in result.finished.items():
-        assert_counters_equal_brute(stats.counters, [row for row in result.rows if row[1] == request_id])
+        mine = [index for index, row in enumerate(result.rows) if row[1] == request_id]
+        assert_counters_equal_brute(
+            stats.counters, [result.rows[i] for i in mine], [result.drafting[i] for i in mine]
+        )
 
 
 @SETTINGS
@@ -165,6 +187,9 @@ def test_invariants(scenario: Scenario) -> None:
     assert sum(map(sum, counters.joint_hist)) == counters.drafts
     assert sum(counters.accepted_at) == counters.accepted_tokens
     assert sum(counters.drafted_at) == counters.draft_tokens
+    assert counters.proposed_tokens == counters.draft_tokens + counters.cut_policy_tokens + counters.cut_grammar_tokens
+    assert counters.cut_policy_tokens >= 0 and counters.cut_grammar_tokens >= 0
+    assert sum(counters.nonspec_by_cause) == counters.nonspec_seq_steps
     for rate in (*counters.per_position_acceptance, *counters.conditional_acceptance):
         assert rate is None or 0.0 <= rate <= 1.0
 
@@ -261,6 +286,10 @@ def test_log_line_parses_back_to_interval_snapshot(scenario: Scenario) -> None:
             for got, want in zip(parsed[key], values):
                 assert got == (None if want is None else pytest.approx(want, abs=1e-4))
         assert parsed["propose_s"] == pytest.approx(interval.step_totals.propose_s, abs=1e-6)
+        assert parsed["proposed"] == counters.proposed_tokens
+        assert parsed["cut_policy"] == counters.cut_policy_tokens
+        assert parsed["cut_grammar"] == counters.cut_grammar_tokens
+        assert [parsed[f"k0_{cause}"] for cause in K0_CAUSES] == list(counters.nonspec_by_cause)
 
 
 def samples(exposition: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
@@ -292,8 +321,13 @@ def test_prometheus_exposition_equals_counters(scenario: Scenario) -> None:
         ("spec_steps", snapshot.step_totals.spec_steps),
         ("nonspec_seq_steps", counters.nonspec_seq_steps),
         ("nonspec_tokens", counters.nonspec_tokens),
+        ("proposed_tokens", counters.proposed_tokens),
     ):
         assert value(f"specd_spec_decode_{name}_total", ours) == expected, name
+    assert value("specd_spec_decode_cut_tokens_total", ours | {("cause", "policy")}) == counters.cut_policy_tokens
+    assert value("specd_spec_decode_cut_tokens_total", ours | {("cause", "grammar")}) == counters.cut_grammar_tokens
+    for cause, count in zip(K0_CAUSES, counters.nonspec_by_cause):
+        assert value("specd_spec_decode_nonspec_seq_steps_by_cause_total", ours | {("cause", cause)}) == count
     for j in range(1, scenario.k_max + 1):
         at = ours | {("position", str(j))}
         assert value("specd_spec_decode_drafted_at_position_total", at) == counters.drafted_at[j - 1]

@@ -25,6 +25,7 @@ from specd.engine.scheduler import ScheduledSeq, Scheduler
 from specd.engine.sequence import Prompt, SeqStatus, Sequence
 from specd.engine.speculator import Drafts, Speculator
 from specd.errors import InvalidParameterError, PromptTooLongError, QueueFullError
+from specd.metrics.records import K0Cause
 from specd.metrics.stats import SpecStatsRecorder, StatsSink, StepPhaseTimes
 from specd.model.llama import LlamaForCausalLM
 from specd.model.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -64,6 +65,11 @@ class _StepProgress:
     decode_only: bool
     num_prefill_tokens: int
     num_seqs: int = 0
+    # Draft accounting for the recorder, seq_id -> value: k0 causes decided at scheduling, draft tokens proposed,
+    # and kept by the k policies (before a grammar cut).
+    schedule_k0_causes: dict[int, K0Cause] = field(default_factory=dict)
+    num_proposed: dict[int, int] = field(default_factory=dict)
+    num_kept: dict[int, int] = field(default_factory=dict)
     proposed: float = 0.0
     forward_done: float = 0.0
     verified: float = 0.0
@@ -222,11 +228,13 @@ class LLMEngine:
         """
         deltas, self._pending = self._pending, []
         load = EngineLoad(self.num_running, self.num_waiting, self.config.max_num_batched_tokens)
-        scheduled = self.scheduler.schedule(self.speculator.wanted_k(self.scheduler.running, load)).scheduled
+        wanted = self.speculator.wanted_k(self.scheduler.running, load)
+        scheduled = self.scheduler.schedule(wanted).scheduled
         if not scheduled:
             return StepResult(deltas, 0)
         num_prefill_tokens = sum(w.num_prefill for w in scheduled)
-        progress = _StepProgress(time.perf_counter(), not num_prefill_tokens, num_prefill_tokens, num_seqs=len(scheduled))
+        progress = _StepProgress(time.perf_counter(), not num_prefill_tokens, num_prefill_tokens, len(scheduled),
+                                 _schedule_k0_causes(scheduled, wanted))
         error: Exception | None = None
         try:
             self._run(scheduled, progress)
@@ -247,7 +255,9 @@ class LLMEngine:
 
     def _run(self, scheduled: list[ScheduledSeq], progress: _StepProgress) -> None:
         drafts = self.speculator.propose(scheduled)
+        progress.num_proposed = {sid: len(d) for sid, d in drafts.token_ids.items()}
         drafts = self.speculator.plan(scheduled, drafts, self.config.max_num_batched_tokens)
+        progress.num_kept = {sid: len(d) for sid, d in drafts.token_ids.items()}
         drafts = self.constraints.cut_drafts({w.seq.seq_id: w.seq for w in scheduled}, drafts)
         progress.proposed = time.perf_counter()
         run = self.runner.run(scheduled, drafts.token_ids)
@@ -338,6 +348,7 @@ class LLMEngine:
             num_seqs=progress.num_seqs,
         )
         self.speculator.observe(report)
+        num_proposed = [progress.num_proposed.get(done.seq.seq_id, 0) for done in committed]
         self.recorder.record_counts(
             [done.seq.request_id for done in committed],
             [done.outcome.num_drafted for done in committed],
@@ -346,6 +357,9 @@ class LLMEngine:
             times,
             {done.seq.request_id for done in committed if done.seq.params.spec_detail},
             progress.num_prefill_tokens,
+            num_proposed,
+            [progress.num_kept.get(done.seq.seq_id, 0) - done.outcome.num_drafted for done in committed],
+            [_k0_cause(done, progress) for done in committed],
         )
 
     # ------------------------------------------------------------- helpers
@@ -381,3 +395,35 @@ class LLMEngine:
 
     def timings(self, seq: Sequence) -> RequestTimings:
         return RequestTimings(seq.arrival_time, seq.first_token_time, seq.finish_time, seq.num_steps)
+
+
+def _schedule_k0_causes(scheduled: list[ScheduledSeq], wanted: dict[int, int]) -> dict[int, K0Cause]:
+    """Why sequences got k = 0 before proposing: their first token, no policy, or the scheduler's cut (their
+    remaining max_tokens / max_model_len, else the step's token budget). Read before the step changes them."""
+    causes: dict[int, K0Cause] = {}
+    for work in scheduled:
+        seq = work.seq
+        if work.is_prefill:
+            causes[seq.seq_id] = "first_token"  # only read if the chunk completes the prompt and samples
+        elif work.num_draft == 0:
+            if seq.k_policy is None:
+                causes[seq.seq_id] = "disabled"
+            elif wanted.get(seq.seq_id, 0) == 0:
+                causes[seq.seq_id] = "policy"
+            else:
+                causes[seq.seq_id] = "max_tokens" if seq.max_new_this_step() <= 1 else "budget"
+    return causes
+
+
+def _k0_cause(done: _Committed, progress: _StepProgress) -> K0Cause:
+    """The first stage of the step's pipeline that left this sequence with no draft token to verify (docs/metrics.md,
+    "Why k = 0"); only read by the recorder when k_i = 0."""
+    seq_id = done.seq.seq_id
+    cause = progress.schedule_k0_causes.get(seq_id)
+    if cause is not None:
+        return cause
+    if progress.num_proposed.get(seq_id, 0) == 0:
+        return "no_match"
+    if progress.num_kept.get(seq_id, 0) == 0:
+        return "policy"
+    return "grammar"

@@ -13,6 +13,7 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 
+from specd.metrics.records import K0_CAUSES
 from specd.metrics.snapshots import SpecMetricsSnapshot
 from specd.metrics.stats import SpecStatsRecorder
 
@@ -40,6 +41,10 @@ def format_log_line(snapshot: SpecMetricsSnapshot, interval_s: float | None = No
         f"emitted={counters.emitted_tokens}",
         f"nonspec_seq_steps={counters.nonspec_seq_steps}",
         f"nonspec_tokens={counters.nonspec_tokens}",
+        f"proposed={counters.proposed_tokens}",
+        f"cut_policy={counters.cut_policy_tokens}",
+        f"cut_grammar={counters.cut_grammar_tokens}",
+        *(f"k0_{cause}={count}" for cause, count in zip(K0_CAUSES, counters.nonspec_by_cause)),
         f"acceptance_rate={_fmt(counters.acceptance_rate)}",
         f"mean_accepted_len={_fmt(counters.mean_accepted_length)}",
         f"tau={_fmt(counters.mean_acceptance_length)}",

@@ -16,7 +16,7 @@ from collections.abc import Iterator, Sequence
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily, Metric
 
-from specd.metrics.records import StepRecord
+from specd.metrics.records import K0_CAUSES, StepRecord
 from specd.metrics.snapshots import RequestSpecStats, tau_bucket_bounds
 from specd.metrics.stats import CounterCells, SpecStatsRecorder
 
@@ -98,7 +98,7 @@ class PrometheusSink:
     # StatsSink -----------------------------------------------------------------------------------
     def on_step(self, record: StepRecord) -> None:
         with self._lock:
-            self._cells.add_step(record.num_draft_tokens, record.num_accepted_tokens, record.num_emitted_tokens)
+            self._cells.add_step(record)
             self._steps += 1
             if any(record.num_draft_tokens):
                 self._spec_steps += 1
@@ -166,6 +166,27 @@ class PrometheusSink:
         yield counter("prefill_tokens", "Prompt tokens prefilled.", prefill_tokens)
         yield counter("nonspec_seq_steps", "Sequence-steps with no draft (k = 0).", counters.nonspec_seq_steps)
         yield counter("nonspec_tokens", "Tokens emitted by sequence-steps with no draft.", counters.nonspec_tokens)
+        yield counter(
+            "proposed_tokens",
+            "Draft tokens the proposer produced, before the k policy or a grammar cut any (= verified + cut).",
+            counters.proposed_tokens,
+        )
+        cut = CounterMetricFamily(
+            f"{NAMESPACE}_cut_tokens", "Proposed draft tokens cut before verification, by cause.",
+            labels=[*names, "cause"],
+        )
+        by_cause = CounterMetricFamily(
+            f"{NAMESPACE}_nonspec_seq_steps_by_cause",
+            "Sequence-steps with k = 0 by cause (sums to nonspec_seq_steps); docs/metrics.md lists the causes.",
+            labels=[*names, "cause"],
+        )
+        if with_samples:
+            cut.add_metric([*values, "policy"], counters.cut_policy_tokens)
+            cut.add_metric([*values, "grammar"], counters.cut_grammar_tokens)
+            for cause, count in zip(K0_CAUSES, counters.nonspec_by_cause):
+                by_cause.add_metric([*values, cause], count)
+        yield cut
+        yield by_cause
         for name, doc, per_position in (
             ("drafted_at_position", "Drafts that proposed position j (k >= j).", counters.drafted_at),
             (

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple, get_args
 
 # Scalar derived metrics that exist both pooled (over all drafts) and as a mean of per-request values.
 SCALAR_METRICS = (
@@ -25,6 +25,12 @@ SCALAR_METRICS = (
     "mean_proposed_length",
     "tokens_per_target_forward",
 )
+
+
+# Why a sequence-step verified no draft token (k_i = 0), decided by the engine in pipeline order (the first that
+# applies): docs/metrics.md "Why k = 0". "other" is for callers that do not say (and traces written before causes).
+K0Cause = Literal["first_token", "disabled", "policy", "max_tokens", "budget", "no_match", "grammar", "other"]
+K0_CAUSES: tuple[K0Cause, ...] = get_args(K0Cause)
 
 
 def ratio(numerator: float, denominator: float) -> float | None:
@@ -83,6 +89,9 @@ class StepRecord(NamedTuple):
     num_emitted_tokens: Sequence[int]  # e_i, after stop truncation, bonus/correction included
     times: StepPhaseTimes
     num_prefill_tokens: int = 0  # prompt tokens this step's forward prefilled, all chunks together
+    num_proposed_tokens: Sequence[int] = ()  # p_i >= k_i, the proposer's tokens before any cut (() = k_i)
+    num_grammar_cut_tokens: Sequence[int] = ()  # of p_i, cut by a grammar before verification (() = 0s)
+    k0_causes: Sequence[K0Cause] = ()  # per sequence, the cause when k_i == 0 (() = "other")
 
 
 def add_tuples(left: tuple[int, ...], right: tuple[int, ...]) -> tuple[int, ...]:
@@ -110,6 +119,9 @@ class SpecCounters:
     accepted_at: tuple[int, ...]  # [k_max]: drafts with a_i >= j
     accepted_length_hist: tuple[int, ...]  # [k_max + 1]: drafts with a_i == a
     joint_hist: tuple[tuple[int, ...], ...]  # [k_max][k_max + 1]: joint_hist[k - 1][a] drafts with (k, a)
+    proposed_tokens: int  # P = T + cut_policy_tokens + cut_grammar_tokens, over every sequence-step
+    cut_grammar_tokens: int  # proposed, then cut by a grammar (structured outputs) before verification
+    nonspec_by_cause: tuple[int, ...]  # [len(K0_CAUSES)]: sequence-steps with k_i = 0, by cause; sums to nonspec
 
     def __post_init__(self) -> None:
         width = self.k_max + 1
@@ -124,6 +136,8 @@ class SpecCounters:
                 raise ValueError(f"{name}: expected length {length} for k_max={self.k_max}, got {len(value)}")
         if any(len(row) != width for row in self.joint_hist):
             raise ValueError(f"joint_hist: every row must have length {width}")
+        if len(self.nonspec_by_cause) != len(K0_CAUSES):
+            raise ValueError(f"nonspec_by_cause: expected length {len(K0_CAUSES)}, got {len(self.nonspec_by_cause)}")
 
     @classmethod
     def zero(cls, k_max: int) -> SpecCounters:
@@ -143,6 +157,9 @@ class SpecCounters:
             empty,
             (0,) * (k_max + 1),
             tuple((0,) * (k_max + 1) for _ in range(k_max)),
+            0,
+            0,
+            (0,) * len(K0_CAUSES),
         )
 
     def __add__(self, other: SpecCounters) -> SpecCounters:
@@ -163,12 +180,20 @@ class SpecCounters:
             add_tuples(self.accepted_at, other.accepted_at),
             add_tuples(self.accepted_length_hist, other.accepted_length_hist),
             tuple(add_tuples(x, y) for x, y in zip(self.joint_hist, other.joint_hist)),
+            self.proposed_tokens + other.proposed_tokens,
+            self.cut_grammar_tokens + other.cut_grammar_tokens,
+            add_tuples(self.nonspec_by_cause, other.nonspec_by_cause),
         )
 
     @property
     def target_forward_seq_steps(self) -> int:
         """Every sequence-step, speculative or not: one row of one target forward each."""
         return self.drafts + self.nonspec_seq_steps
+
+    @property
+    def cut_policy_tokens(self) -> int:
+        """Proposed, then cut by the k policy (or a confidence stop) before verification."""
+        return self.proposed_tokens - self.draft_tokens - self.cut_grammar_tokens
 
     @property
     def total_emitted_tokens(self) -> int:
@@ -221,6 +246,10 @@ class SpecCounters:
             "nonspec_seq_steps": self.nonspec_seq_steps,
             "nonspec_tokens": self.nonspec_tokens,
             "target_forward_seq_steps": self.target_forward_seq_steps,
+            "proposed_tokens": self.proposed_tokens,
+            "cut_policy_tokens": self.cut_policy_tokens,
+            "cut_grammar_tokens": self.cut_grammar_tokens,
+            "nonspec_by_cause": dict(zip(K0_CAUSES, self.nonspec_by_cause)),
             "drafted_at": list(self.drafted_at),
             "reached_at": list(self.reached_at),
             "accepted_at": list(self.accepted_at),

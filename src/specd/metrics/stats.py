@@ -20,7 +20,7 @@ from collections.abc import Collection, Sequence
 import torch
 
 from specd.metrics.fanout import SinkFanout, StatsSink
-from specd.metrics.records import SpecCounters, StepDetail, StepPhaseTimes, StepRecord, StepTotals
+from specd.metrics.records import K0_CAUSES, K0Cause, SpecCounters, StepDetail, StepPhaseTimes, StepRecord, StepTotals
 from specd.metrics.snapshots import PerRequestAggregates, RequestSpecStats, SpecMetricsSnapshot
 
 __all__ = [
@@ -34,31 +34,41 @@ __all__ = [
 ]
 
 _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+_CAUSE_INDEX: dict[str, int] = {cause: index for index, cause in enumerate(K0_CAUSES)}
+_OTHER = _CAUSE_INDEX["other"]
 
 
 class CounterCells:
     """Mutable running counters of one window in the flat cell layout; `freeze()` gives SpecCounters."""
 
-    __slots__ = ("cells", "emitted_slot", "k_max", "nonspec_slot", "width")
+    __slots__ = ("cause_base", "cells", "emitted_slot", "grammar_slot", "k_max", "nonspec_slot", "proposed_slot",
+                 "width")
 
     def __init__(self, k_max: int) -> None:
         self.k_max = k_max
         self.width = k_max + 1
         self.emitted_slot = self.width * self.width
         self.nonspec_slot = self.emitted_slot + 1
-        self.cells = [0] * (self.nonspec_slot + 1)
+        self.proposed_slot = self.nonspec_slot + 1
+        self.grammar_slot = self.proposed_slot + 1
+        self.cause_base = self.grammar_slot + 1
+        self.cells = [0] * (self.cause_base + len(K0_CAUSES))
 
-    def add_step(self, num_draft: Sequence[int], num_accepted: Sequence[int], num_emitted: Sequence[int]) -> None:
-        """Add one step's already validated (k_i, a_i, e_i) rows."""
-        cells, width, emitted_slot, nonspec_slot = (
-            self.cells,
-            self.width,
-            self.emitted_slot,
-            self.nonspec_slot,
-        )
-        for k, a, e in zip(num_draft, num_accepted, num_emitted):
+    def add_step(self, record: StepRecord) -> None:
+        """Add one already validated step record (a sink's copy of the recorder's counts)."""
+        cells, width = self.cells, self.width
+        causes = record.k0_causes
+        for index, (k, a, e) in enumerate(
+            zip(record.num_draft_tokens, record.num_accepted_tokens, record.num_emitted_tokens)
+        ):
             cells[k * width + a] += 1
-            cells[emitted_slot if k else nonspec_slot] += e
+            if k:
+                cells[self.emitted_slot] += e
+            else:
+                cells[self.nonspec_slot] += e
+                cells[self.cause_base + (_CAUSE_INDEX[causes[index]] if causes else _OTHER)] += 1
+        cells[self.proposed_slot] += sum(record.num_proposed_tokens or record.num_draft_tokens)
+        cells[self.grammar_slot] += sum(record.num_grammar_cut_tokens)
 
     def freeze(self) -> SpecCounters:
         return counters_from_cells(self.cells, self.k_max)
@@ -112,6 +122,9 @@ def counters_from_cells(cells: Sequence[int], k_max: int) -> SpecCounters:
         accepted_at=prefix(accepted_diff),
         accepted_length_hist=tuple(accepted_hist),
         joint_hist=tuple(tuple(row) for row in joint),
+        proposed_tokens=cells[width * width + 2],
+        cut_grammar_tokens=cells[width * width + 3],
+        nonspec_by_cause=tuple(cells[width * width + 4 : width * width + 4 + len(K0_CAUSES)]),
     )
 
 
@@ -166,6 +179,9 @@ class SpecStatsRecorder:
         times: StepPhaseTimes,
         detail_request_ids: Collection[str] = frozenset(),
         num_prefill_tokens: int = 0,
+        num_proposed: Sequence[int] = (),
+        num_grammar_cut: Sequence[int] = (),
+        k0_causes: Sequence[K0Cause] = (),
     ) -> None:
         """`record_counts` for counts held in one tensor (e.g. on a device): one device-to-host copy.
 
@@ -178,7 +194,8 @@ class SpecStatsRecorder:
             raise ValueError(f"counts: expected an integer tensor, got {counts.dtype}")
         num_draft, num_accepted, num_emitted = counts.tolist()
         self.record_counts(
-            request_ids, num_draft, num_accepted, num_emitted, times, detail_request_ids, num_prefill_tokens
+            request_ids, num_draft, num_accepted, num_emitted, times, detail_request_ids, num_prefill_tokens,
+            num_proposed, num_grammar_cut, k0_causes,
         )
 
     def record_counts(
@@ -190,13 +207,16 @@ class SpecStatsRecorder:
         times: StepPhaseTimes,
         detail_request_ids: Collection[str] = frozenset(),
         num_prefill_tokens: int = 0,
+        num_proposed: Sequence[int] = (),  # p_i >= k_i: the proposer's tokens before cuts; () means p_i = k_i
+        num_grammar_cut: Sequence[int] = (),  # g_i <= p_i - k_i: of those, cut by a grammar; () means 0
+        k0_causes: Sequence[K0Cause] = (),  # why k_i == 0 (read only there); () means "other"
     ) -> None:
         """Add one engine step to every window and hand its record to every sink.
 
-        Sequences with k_i == 0 are included (they count as non-speculative sequence-steps). A step that only
-        prefilled prompt chunks has no sequences and num_prefill_tokens > 0: it counts in steps, the prefill
-        totals and the phase times. Raises ValueError, changing nothing, if the lengths differ or any
-        (k_i, a_i, e_i) is out of range.
+        Sequences with k_i == 0 are included (they count as non-speculative sequence-steps, by cause). A step
+        that only prefilled prompt chunks has no sequences and num_prefill_tokens > 0: it counts in steps, the
+        prefill totals and the phase times. p_i - k_i - g_i tokens were cut by the k policy. Raises ValueError,
+        changing nothing, if the lengths differ or any value is out of range.
         """
         num_seqs = len(request_ids)
         if isinstance(num_prefill_tokens, bool) or not isinstance(num_prefill_tokens, int) or num_prefill_tokens < 0:
@@ -206,13 +226,24 @@ class SpecStatsRecorder:
         if not len(num_draft) == len(num_accepted) == len(num_emitted) == num_seqs:
             raise ValueError(f"counts: expected {num_seqs} (k_i, a_i, e_i) per sequence")
         num_draft, num_accepted, num_emitted = list(num_draft), list(num_accepted), list(num_emitted)
+        num_proposed = list(num_proposed) if num_proposed else num_draft
+        num_grammar_cut = list(num_grammar_cut)
+        k0_causes = list(k0_causes)
+        for name, values in (("num_proposed", num_proposed), ("num_grammar_cut", num_grammar_cut),
+                             ("k0_causes", k0_causes)):
+            if values and len(values) != num_seqs:
+                raise ValueError(f"{name}: expected {num_seqs} values (one per sequence) or none")
         k_max = self.k_max
-        for index, (k, a, e) in enumerate(zip(num_draft, num_accepted, num_emitted)):
-            if not (0 <= a <= k <= k_max and 0 <= e <= a + 1):
+        for index, (k, a, e, p) in enumerate(zip(num_draft, num_accepted, num_emitted, num_proposed)):
+            g = num_grammar_cut[index] if num_grammar_cut else 0
+            if not (0 <= a <= k <= k_max and 0 <= e <= a + 1 and k <= p <= k_max and 0 <= g <= p - k):
                 raise ValueError(
-                    f"counts: sequence {index} ({request_ids[index]!r}) has k={k}, a={a}, e={e}; "
-                    f"need 0 <= a <= k <= k_max={k_max} and 0 <= e <= a + 1"
+                    f"counts: sequence {index} ({request_ids[index]!r}) has k={k}, a={a}, e={e}, proposed={p}, "
+                    f"grammar_cut={g}; need 0 <= a <= k <= proposed <= k_max={k_max}, 0 <= e <= a + 1 and "
+                    f"0 <= grammar_cut <= proposed - k"
                 )
+            if k0_causes and k0_causes[index] not in _CAUSE_INDEX:
+                raise ValueError(f"k0_causes: sequence {index} has {k0_causes[index]!r}; expected one of {K0_CAUSES}")
         now = time.time()
         with self._lock:
             step = self._next_step
@@ -220,18 +251,32 @@ class SpecStatsRecorder:
             interval = self._interval
             cells, width = interval.cells, interval.width
             emitted_slot, nonspec_slot = interval.emitted_slot, interval.nonspec_slot
+            proposed_slot, grammar_slot, cause_base = interval.proposed_slot, interval.grammar_slot, interval.cause_base
             live = self._live
-            for request_id, k, a, e in zip(request_ids, num_draft, num_accepted, num_emitted):
+            for index, (request_id, k, a, e, p) in enumerate(
+                zip(request_ids, num_draft, num_accepted, num_emitted, num_proposed)
+            ):
                 cell = k * width + a
-                slot = emitted_slot if k else nonspec_slot
-                cells[cell] += 1
-                cells[slot] += e
                 request = live.get(request_id)
                 if request is None:
                     request = live[request_id] = CounterCells(k_max)
                 request_cells = request.cells
+                cells[cell] += 1
                 request_cells[cell] += 1
-                request_cells[slot] += e
+                if k:
+                    cells[emitted_slot] += e
+                    request_cells[emitted_slot] += e
+                else:
+                    cause = cause_base + (_CAUSE_INDEX[k0_causes[index]] if k0_causes else _OTHER)
+                    cells[nonspec_slot] += e
+                    request_cells[nonspec_slot] += e
+                    cells[cause] += 1
+                    request_cells[cause] += 1
+                cells[proposed_slot] += p
+                request_cells[proposed_slot] += p
+                if num_grammar_cut and num_grammar_cut[index]:
+                    cells[grammar_slot] += num_grammar_cut[index]
+                    request_cells[grammar_slot] += num_grammar_cut[index]
             if detail_request_ids:
                 self._record_detail(step, request_ids, num_draft, num_accepted, num_emitted, detail_request_ids)
             self._interval_steps += 1
@@ -247,7 +292,8 @@ class SpecStatsRecorder:
                 self._interval_prefill_s += times.prefill_s
         if self._sinks:
             record = StepRecord(
-                step, now, request_ids, num_draft, num_accepted, num_emitted, times, num_prefill_tokens
+                step, now, request_ids, num_draft, num_accepted, num_emitted, times, num_prefill_tokens,
+                num_proposed, num_grammar_cut, k0_causes,
             )
             self._fanout.on_step(record)
 

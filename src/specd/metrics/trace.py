@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import IO, Any, NamedTuple
 
 from specd.errors import SpecdError
-from specd.metrics.records import SpecCounters, StepRecord, StepTotals
+from specd.metrics.records import K0_CAUSES, SpecCounters, StepRecord, StepTotals
 from specd.metrics.snapshots import PerRequestAggregates, RequestSpecStats, SpecMetricsSnapshot
 from specd.metrics.stats import SpecStatsRecorder
 
@@ -52,6 +52,9 @@ class TraceRecord(NamedTuple):
     verify_s: float
     sample_s: float
     prefill_s: float = 0.0  # absent in traces written before prefill was timed apart
+    proposed: int | None = None  # the proposer's tokens before cuts; None (absent): k
+    grammar_cut: int = 0  # of those, cut by a grammar before verification
+    k0_cause: str = "other"  # why k == 0 (only on such lines)
 
 
 class TracePrefill(NamedTuple):
@@ -97,13 +100,22 @@ class TraceSink:
         if record.num_prefill_tokens:
             lines.append(f'{{"event":"prefill","step":{record.step},"time":{record.time_s!r},'
                          f'"tokens":{record.num_prefill_tokens},{phases}')
-        for request_id, k, a, e in zip(
-            record.request_ids, record.num_draft_tokens, record.num_accepted_tokens, record.num_emitted_tokens
-        ):
+        proposed = record.num_proposed_tokens or record.num_draft_tokens
+        grammar_cut = record.num_grammar_cut_tokens
+        causes = record.k0_causes
+        for index, (request_id, k, a, e, p) in enumerate(zip(
+            record.request_ids, record.num_draft_tokens, record.num_accepted_tokens, record.num_emitted_tokens,
+            proposed,
+        )):
             quoted = quoted_ids.get(request_id)
             if quoted is None:
                 quoted = quoted_ids[request_id] = json.dumps(request_id)
-            lines.append(f'{head}{quoted},"k":{k},"accepted":{a},"emitted":{e}{tail}')
+            extra = f',"proposed":{p}'
+            if grammar_cut and grammar_cut[index]:
+                extra += f',"grammar_cut":{grammar_cut[index]}'
+            if not k:
+                extra += f',"k0_cause":"{causes[index] if causes else "other"}"'
+            lines.append(f'{head}{quoted},"k":{k},"accepted":{a},"emitted":{e}{extra}{tail}')
         with self._lock:
             self._file.write("".join(lines))
 
@@ -181,6 +193,16 @@ def _parse_line(path: Path, line_no: int, line: str) -> TraceRecord | TracePrefi
             f"{where}: need accepted <= k and emitted <= accepted + 1, "
             f"got k={k}, accepted={accepted}, emitted={emitted}"
         )
+    proposed, grammar_cut = obj.get("proposed", k), obj.get("grammar_cut", 0)
+    for name, value in (("proposed", proposed), ("grammar_cut", grammar_cut)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise TraceFormatError(f"{where}: field {name!r} must be an integer >= 0, got {value!r}")
+    if not k <= proposed or grammar_cut > proposed - k:
+        raise TraceFormatError(f"{where}: need k <= proposed and grammar_cut <= proposed - k, "
+                               f"got k={k}, proposed={proposed}, grammar_cut={grammar_cut}")
+    k0_cause = obj.get("k0_cause", "other")
+    if k0_cause not in K0_CAUSES:
+        raise TraceFormatError(f"{where}: field 'k0_cause' must be one of {', '.join(K0_CAUSES)}, got {k0_cause!r}")
     return TraceRecord(
         obj["step"],
         float(obj["time"]),
@@ -192,6 +214,9 @@ def _parse_line(path: Path, line_no: int, line: str) -> TraceRecord | TracePrefi
         float(obj["verify_s"]),
         float(obj["sample_s"]),
         float(prefill_s),
+        proposed,
+        grammar_cut,
+        k0_cause,
     )
 
 
@@ -219,11 +244,16 @@ class _Tally:
         self.accepted_at = [0] * (k_max + 1)
         self.accepted_hist = [0] * (k_max + 1)
         self.joint = [[0] * (k_max + 1) for _ in range(k_max + 1)]  # joint[k][a]; row 0 unused
+        self.proposed = self.grammar_cut = 0
+        self.by_cause = dict.fromkeys(K0_CAUSES, 0)
 
-    def add(self, k: int, accepted: int, emitted: int) -> None:
+    def add(self, k: int, accepted: int, emitted: int, proposed: int, grammar_cut: int, k0_cause: str) -> None:
+        self.proposed += proposed
+        self.grammar_cut += grammar_cut
         if k == 0:
             self.nonspec_seq_steps += 1
             self.nonspec_tokens += emitted
+            self.by_cause[k0_cause] += 1
             return
         self.drafts += 1
         self.draft_tokens += k
@@ -252,6 +282,9 @@ class _Tally:
             tuple(self.accepted_at[1:]),
             tuple(self.accepted_hist),
             tuple(tuple(row) for row in self.joint[1:]),
+            self.proposed,
+            self.grammar_cut,
+            tuple(self.by_cause[cause] for cause in K0_CAUSES),
         )
 
 
@@ -283,8 +316,10 @@ def recount(records: Iterable[TraceRecord | TracePrefill | TraceFinish], k_max: 
             continue
         if record.k > k_max:
             raise ValueError(f"k_max: trace line for step {record.step} has k={record.k} > k_max={k_max}")
-        total.add(record.k, record.accepted, record.emitted)
-        per_request.setdefault(record.request_id, _Tally(k_max)).add(record.k, record.accepted, record.emitted)
+        row = (record.k, record.accepted, record.emitted, record.k if record.proposed is None else record.proposed,
+               record.grammar_cut, record.k0_cause)
+        total.add(*row)
+        per_request.setdefault(record.request_id, _Tally(k_max)).add(*row)
         step_times.setdefault(record.step, (record.propose_s, record.verify_s, record.sample_s, record.prefill_s))
         sampled_steps.add(record.step)
         if record.k > 0:
