@@ -114,7 +114,8 @@ class LLM:
         sinks = list(sinks)
         self._trace: TraceSink | None = None
         if config.spec_trace_path:
-            self._trace = TraceSink(config.spec_trace_path)
+            self._trace = TraceSink(config.spec_trace_path, model=config.model, proposer=config.speculation.method,
+                                    k_policy=config.speculation.k_policy)
             sinks.append(self._trace)
         if proposer is None and config.speculation.enabled:
             proposer = build_proposer(config, model, tokenizer)

@@ -19,7 +19,15 @@ from specd.metrics import trace_cli
 from specd.metrics.log_sink import PREFIX, PeriodicLogger, format_log_line
 from specd.metrics.prometheus_sink import PrometheusSink
 from specd.metrics.stats import SpecStatsRecorder, StepPhaseTimes
-from specd.metrics.trace import TraceFinish, TraceFormatError, TraceRecord, TraceSink, read_trace, recount
+from specd.metrics.trace import (
+    TraceFinish,
+    TraceFormatError,
+    TraceHeader,
+    TraceRecord,
+    TraceSink,
+    read_trace,
+    recount,
+)
 from specd.testing import parse_log_line
 
 TIMES = StepPhaseTimes(0.001, 0.02, 0.0005)
@@ -205,9 +213,13 @@ def test_prometheus_rejects_bad_buckets() -> None:
 
 # Trace ---------------------------------------------------------------------------------------------
 def write_trace(path: Path) -> SpecStatsRecorder:
-    with TraceSink(path) as sink:
+    with TraceSink(path, model="smol", proposer="ngram", k_policy="heuristic") as sink:
         recorder = SpecStatsRecorder(k_max=4, sinks=[sink])
-        drive(recorder)
+        recorder.record_step(["X", "Y"], counts((1, 1, 2), (4, 0, 1)), TIMES)
+        recorder.record_step(["X", "Y"], counts((1, 1, 1), (4, 2, 3)), TIMES)
+        recorder.record_step(["Y"], counts((0, 0, 1)), TIMES)
+        recorder.finish_request("X", "stop")
+        recorder.finish_request("Y", "length")
     return recorder
 
 
@@ -215,12 +227,16 @@ def test_trace_lines_and_recount(tmp_path: Path) -> None:
     path = tmp_path / "trace.jsonl"
     recorder = write_trace(path)
     lines = [json.loads(line) for line in path.read_text().splitlines()]
-    assert len(lines) == 7  # 5 (step, request) lines + 2 finish lines
-    assert lines[1]["request_id"] == "Y" and (lines[1]["k"], lines[1]["accepted"], lines[1]["emitted"]) == (4, 0, 1)
-    assert lines[1]["verify_s"] == TIMES.verify_s and lines[1]["step"] == 0
-    assert lines[-1]["event"] == "finish" and lines[-1]["request_id"] == "Y"
+    assert len(lines) == 8  # a header, 5 (step, request) lines, 2 finish lines
+    assert lines[0] == {"event": "header", "k_max": 4, "model": "smol", "proposer": "ngram", "k_policy": "heuristic",
+                        "specd_version": lines[0]["specd_version"]}
+    assert lines[2]["request_id"] == "Y" and (lines[2]["k"], lines[2]["accepted"], lines[2]["emitted"]) == (4, 0, 1)
+    assert lines[2]["verify_s"] == TIMES.verify_s and lines[2]["step"] == 0
+    assert lines[-1] == {"event": "finish", "time": lines[-1]["time"], "request_id": "Y", "finish_reason": "length"}
     records = read_trace(path)
-    assert isinstance(records[0], TraceRecord) and isinstance(records[-1], TraceFinish)
+    assert records[0] == TraceHeader(4, "smol", "ngram", "heuristic", lines[0]["specd_version"])  # round-trips
+    assert isinstance(records[1], TraceRecord) and isinstance(records[-1], TraceFinish)
+    assert [r.finish_reason for r in records if isinstance(r, TraceFinish)] == ["stop", "length"]
     assert recount(records, 4).counters == recorder.snapshot().counters
     with pytest.raises(ValueError, match="k_max"):
         recount(records, 3)
@@ -271,6 +287,22 @@ def test_cli_json_equals_recount(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert data["counters"]["accepted_at"] == [3, 1, 0, 0]
     assert data["counters"]["drafts"] == recorder.snapshot().counters.drafts
     assert data["derived"]["conditional_acceptance_pooled"][3] is None
+
+
+def test_cli_sizes_arrays_and_tau_buckets_from_the_header_like_the_live_snapshot(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "trace.jsonl"
+    with TraceSink(path, model="smol", proposer="ngram", k_policy="fixed") as sink:
+        recorder = SpecStatsRecorder(k_max=6, sinks=[sink])  # no step uses k above 4
+        drive(recorder)
+    assert trace_cli.main([str(path), "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    live = recorder.snapshot().to_dict()
+    assert data["counters"]["accepted_at"] == live["counters"]["accepted_at"] == [3, 1, 0, 0, 0, 0]
+    assert data["per_request"] == live["per_request"]  # tau buckets up to k_max + 1 = 7 on both sides
+    assert trace_cli.main([str(path)]) == 0
+    assert "model 'smol', proposer ngram, k policy fixed, k_max 6" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(

@@ -388,7 +388,7 @@ class LLMEngine:
             finish_reason=seq.finish_reason if finished else None,
             num_prompt_tokens=len(seq.prompt_token_ids),
             num_output_tokens=len(seq.output_token_ids),
-            spec_stats=self.recorder.finish_request(seq.request_id) if finished else None,
+            spec_stats=self.recorder.finish_request(seq.request_id, seq.finish_reason) if finished else None,
             error=error,
             timings=self.timings(seq) if finished else None,
         )

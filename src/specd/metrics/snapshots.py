@@ -72,6 +72,7 @@ class RequestSpecStats:
     request_id: str
     counters: SpecCounters
     steps: tuple[StepDetail, ...] | None = None
+    finish_reason: str | None = None  # as the engine finished it (stop, length, abort, error); None if not said
 
     @property
     def drafts(self) -> int:

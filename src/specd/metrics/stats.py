@@ -310,24 +310,25 @@ class SpecStatsRecorder:
             if request_id in detail_request_ids:
                 self._detail.setdefault(request_id, []).append(StepDetail(step, k, a, e))
 
-    def _request_stats_locked(self, request_id: str, pop: bool) -> RequestSpecStats:
+    def _request_stats_locked(self, request_id: str, pop: bool, finish_reason: str | None = None) -> RequestSpecStats:
         cells = self._live.pop(request_id, None) if pop else self._live.get(request_id)
         detail = self._detail.pop(request_id, None) if pop else self._detail.get(request_id)
         counters = cells.freeze() if cells is not None else SpecCounters.zero(self.k_max)
-        return RequestSpecStats(request_id, counters, tuple(detail) if detail is not None else None)
+        return RequestSpecStats(request_id, counters, tuple(detail) if detail is not None else None, finish_reason)
 
     def request_stats(self, request_id: str) -> RequestSpecStats:
         """Live counters of a running request (zero counters if it has not been in a step yet)."""
         with self._lock:
             return self._request_stats_locked(request_id, pop=False)
 
-    def finish_request(self, request_id: str) -> RequestSpecStats:
+    def finish_request(self, request_id: str, finish_reason: str | None = None) -> RequestSpecStats:
         """Forget a finished or aborted request, add it to the per-request aggregates, notify sinks.
 
-        A request that was never in a step is still counted as finished, with zero counters.
+        A request that was never in a step is still counted as finished, with zero counters. finish_reason is
+        carried on the returned stats (and the trace's finish line).
         """
         with self._lock:
-            stats = self._request_stats_locked(request_id, pop=True)
+            stats = self._request_stats_locked(request_id, pop=True, finish_reason=finish_reason)
             self._interval_requests = self._interval_requests.observe(stats.counters)
         if self._sinks:
             self._fanout.on_request_finished(request_id, stats)

@@ -8,8 +8,11 @@ a prefill line per step whose forward prefilled prompt chunks (before that step'
 prefill-only step has only this line):
     {"event": "prefill", "step": 11, "time": 1733150000.101, "tokens": 256, "propose_s": 0.0,
      "verify_s": 0.0, "sample_s": 0.0, "prefill_s": 0.0408}
-and a finish line when the engine finishes (or aborts) a request:
-    {"event": "finish", "time": 1733150001.5, "request_id": "req-7"}
+a finish line when the engine finishes (or aborts) a request:
+    {"event": "finish", "time": 1733150001.5, "request_id": "req-7", "finish_reason": "length"}
+and, first, one header line saying what wrote the trace and the k_max its arrays are sized by:
+    {"event": "header", "k_max": 4, "model": "...", "proposer": "ngram", "k_policy": "heuristic",
+     "specd_version": "0.1.0"}
 
 `recount` recomputes every counter straight from the lines with plain loops over positions. It shares
 no arithmetic with the recorder (which derives per-position counters from a joint histogram), so
@@ -18,6 +21,7 @@ comparing the two is a real cross-check.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import threading
 import time
@@ -74,20 +78,42 @@ class TraceFinish(NamedTuple):
 
     time: float
     request_id: str
+    finish_reason: str | None = None  # absent in traces written before it was recorded
+
+
+class TraceHeader(NamedTuple):
+    """The first line of a trace: what produced it, and the k_max every array and tau bucket is sized by."""
+
+    k_max: int
+    model: str
+    proposer: str
+    k_policy: str
+    specd_version: str
+
+
+TraceLine = TraceRecord | TracePrefill | TraceFinish | TraceHeader
 
 
 class TraceSink:
-    """StatsSink writing the JSONL trace to `path` (truncated on open). close() it (or use `with`)."""
+    """StatsSink writing the JSONL trace to `path` (truncated on open), starting with a header line once the
+    recorder binds it. close() it (or use `with`)."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, model: str = "", proposer: str = "", k_policy: str = "") -> None:
         self.path = Path(path)
+        self._meta = (model, proposer, k_policy)
         self._file: IO[str] = self.path.open("w", encoding="utf-8")
         self._lock = threading.Lock()
         self._quoted_ids: dict[str, str] = {}  # request id -> its JSON string literal, while it runs
         self.k_max: int | None = None
 
     def bind(self, recorder: SpecStatsRecorder) -> None:
+        """Take k_max from the recorder and write the header line."""
         self.k_max = recorder.k_max
+        model, proposer, k_policy = self._meta
+        header = {"event": "header", "k_max": recorder.k_max, "model": model, "proposer": proposer,
+                  "k_policy": k_policy, "specd_version": _specd_version()}
+        with self._lock:
+            self._file.write(json.dumps(header) + "\n")
 
     def on_step(self, record: StepRecord) -> None:
         times = record.times
@@ -121,7 +147,8 @@ class TraceSink:
 
     def on_request_finished(self, request_id: str, stats: RequestSpecStats) -> None:
         quoted = self._quoted_ids.pop(request_id, None) or json.dumps(request_id)
-        line = f'{{"event":"finish","time":{time.time()!r},"request_id":{quoted}}}\n'
+        reason = json.dumps(stats.finish_reason)
+        line = f'{{"event":"finish","time":{time.time()!r},"request_id":{quoted},"finish_reason":{reason}}}\n'
         with self._lock:
             self._file.write(line)
 
@@ -140,6 +167,23 @@ class TraceSink:
         self.close()
 
 
+def _parse_header(where: str, obj: dict[str, Any]) -> TraceHeader:
+    k_max = obj.get("k_max")
+    if isinstance(k_max, bool) or not isinstance(k_max, int) or k_max < 0:
+        raise TraceFormatError(f"{where}: header field 'k_max' must be an integer >= 0, got {k_max!r}")
+    texts = [obj.get(name, "") for name in ("model", "proposer", "k_policy", "specd_version")]
+    if not all(isinstance(text, str) for text in texts):
+        raise TraceFormatError(f"{where}: header fields model, proposer, k_policy, specd_version must be strings")
+    return TraceHeader(k_max, *texts)
+
+
+def _specd_version() -> str:
+    try:
+        return importlib.metadata.version("specd")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
 def _parse_prefill(where: str, obj: dict[str, Any]) -> TracePrefill:
     for name in _PREFILL_FIELDS:
         value = obj.get(name)
@@ -154,7 +198,7 @@ def _parse_prefill(where: str, obj: dict[str, Any]) -> TracePrefill:
     )
 
 
-def _parse_line(path: Path, line_no: int, line: str) -> TraceRecord | TracePrefill | TraceFinish:
+def _parse_line(path: Path, line_no: int, line: str) -> TraceLine:
     where = f"{path}:{line_no}"
     try:
         obj: Any = json.loads(line)
@@ -168,11 +212,16 @@ def _parse_line(path: Path, line_no: int, line: str) -> TraceRecord | TracePrefi
             raise TraceFormatError(f"{where}: finish line needs a string 'request_id'")
         if isinstance(obj.get("time"), bool) or not isinstance(obj.get("time"), (int, float)):
             raise TraceFormatError(f"{where}: finish line needs a number 'time'")
-        return TraceFinish(float(obj["time"]), obj["request_id"])
+        reason = obj.get("finish_reason")
+        if reason is not None and not isinstance(reason, str):
+            raise TraceFormatError(f"{where}: finish line's 'finish_reason' must be a string or null")
+        return TraceFinish(float(obj["time"]), obj["request_id"], reason)
+    if event == "header":
+        return _parse_header(where, obj)
     if event == "prefill":
         return _parse_prefill(where, obj)
     if event != "step":
-        raise TraceFormatError(f"{where}: unknown event {event!r} (expected 'step', 'prefill' or 'finish')")
+        raise TraceFormatError(f"{where}: unknown event {event!r} (expected 'header', 'step', 'prefill' or 'finish')")
     for name in (*_INT_FIELDS, *_FLOAT_FIELDS, "request_id"):
         if name not in obj:
             raise TraceFormatError(f"{where}: missing field {name!r}")
@@ -220,7 +269,7 @@ def _parse_line(path: Path, line_no: int, line: str) -> TraceRecord | TracePrefi
     )
 
 
-def read_trace(path: str | Path) -> list[TraceRecord | TracePrefill | TraceFinish]:
+def read_trace(path: str | Path) -> list[TraceLine]:
     """Parse a trace file; blank lines are skipped. Raises TraceFormatError naming the file and line."""
     path = Path(path)
     try:
@@ -288,7 +337,7 @@ class _Tally:
         )
 
 
-def recount(records: Iterable[TraceRecord | TracePrefill | TraceFinish], k_max: int) -> SpecMetricsSnapshot:
+def recount(records: Iterable[TraceLine], k_max: int) -> SpecMetricsSnapshot:
     """Recompute a snapshot from trace lines alone.
 
     Prefill lines count in steps, phase times and the prefill totals. Per-request aggregates cover the
@@ -304,6 +353,8 @@ def recount(records: Iterable[TraceRecord | TracePrefill | TraceFinish], k_max: 
     sampled_steps: set[int] = set()
     prefill_tokens: dict[int, int] = {}
     for record in records:
+        if isinstance(record, TraceHeader):
+            continue
         if isinstance(record, TracePrefill):
             prefill_tokens[record.step] = record.tokens
             step_times.setdefault(

@@ -13,7 +13,15 @@ from typing import TextIO
 
 from specd.metrics.records import SCALAR_METRICS
 from specd.metrics.snapshots import SpecMetricsSnapshot
-from specd.metrics.trace import TraceFinish, TraceFormatError, TraceRecord, read_trace, recount
+from specd.metrics.trace import (
+    TraceFinish,
+    TraceFormatError,
+    TraceHeader,
+    TracePrefill,
+    TraceRecord,
+    read_trace,
+    recount,
+)
 
 _BAR_WIDTH = 30
 _EIGHTHS = " ▏▎▍▌▋▊▉█"
@@ -120,7 +128,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("file", help="trace written by TraceSink (one JSON object per line)")
     parser.add_argument("--json", action="store_true", help="print the snapshot as JSON instead of a table")
     parser.add_argument("--plot", metavar="OUT.png", help="also write a per-position bar chart (needs matplotlib)")
-    parser.add_argument("--k-max", type=int, default=None, help="k_max (default: the largest k in the trace)")
+    parser.add_argument("--k-max", type=int, default=None, help="k_max (default: the header's, else the largest k)")
     return parser
 
 
@@ -135,7 +143,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"specd stats: {exc}", file=sys.stderr)
         return 2
     largest_k = max((record.k for record in records if isinstance(record, TraceRecord)), default=0)
-    k_max = largest_k if args.k_max is None else args.k_max
+    header = next((record for record in records if isinstance(record, TraceHeader)), None)
+    # The header's k_max sizes arrays and tau buckets as the live snapshot did; old traces fall back to the largest k.
+    default_k_max = header.k_max if header is not None else largest_k
+    k_max = default_k_max if args.k_max is None else args.k_max
     if k_max < largest_k:
         print(
             f"specd stats: --k-max {k_max} is smaller than the largest k ({largest_k}) in {args.file}",
@@ -149,7 +160,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         num_steps = sum(1 for record in records if isinstance(record, TraceRecord))
         num_finish = sum(1 for record in records if isinstance(record, TraceFinish))
-        sys.stdout.write(f"{args.file}: {num_steps} step lines, {len(records) - num_steps - num_finish} prefill lines, "
+        num_prefill = sum(1 for record in records if isinstance(record, TracePrefill))
+        if header is not None:
+            sys.stdout.write(f"{args.file}: model {header.model!r}, proposer {header.proposer}, k policy "
+                             f"{header.k_policy}, k_max {header.k_max}, specd {header.specd_version}\n")
+        sys.stdout.write(f"{args.file}: {num_steps} step lines, {num_prefill} prefill lines, "
                          f"{num_finish} finish lines\n\n")
         render_table(snapshot, sys.stdout)
     if args.plot:
