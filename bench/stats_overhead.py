@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry
 
 from specd.metrics.log_sink import PeriodicLogger
 from specd.metrics.prometheus_sink import PrometheusSink
+from specd.metrics.records import K0Cause
 from specd.metrics.stats import SpecStatsRecorder, StatsSink, StepPhaseTimes
 from specd.metrics.trace import TraceSink
 
@@ -71,8 +72,13 @@ def time_config(
         request_ids = [f"req-{i}" for i in range(batch)]
         next_id = batch
         start = time.perf_counter()
+        # What the engine hands over besides the counts: proposed tokens (one more than verified, the policy's
+        # cut, where k_max allows) and a k = 0 cause for every sequence.
+        proposed = [[min(k + 1, k_max) for k in counts[0].tolist()] for counts in steps]
+        causes: list[K0Cause] = ["no_match"] * batch
         for index, counts in enumerate(steps):
-            recorder.record_step(request_ids, counts, times, set(request_ids) if detail else frozenset())
+            recorder.record_step(request_ids, counts, times, set(request_ids) if detail else frozenset(),
+                                 num_proposed=proposed[index], k0_causes=causes)
             if periodic_log:
                 clock.now = index * 0.03  # a 30 ms step: one log line every ~33 steps
                 logger.tick()
