@@ -17,7 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specd import kernels
 from specd.errors import ModelLoadError
+from specd.kernels.blockquant import Q4Weight, Q8Weight, fits, quantize_q4, quantize_q8
 from specd.model.attention import AttentionMetadata, ForwardBatch, attend, write_kv
 from specd.model.config import ModelArchConfig, RopeScaling
 from specd.model.kv_cache import KVCache
@@ -86,6 +88,10 @@ class Linear(nn.Module):
     token's logits do not depend on how many rows share its forward -- what keeps speculation lossless against
     plain decoding in this mode. (On the 2-core AVX2 development CPU the int4 kernel is also 1.7-3.5x faster
     than the dense bfloat16 GEMM from 1 to 256 rows, and int8 1.1-2.9x from 1 to 40.)
+
+    Where specd's native kernels build (`specd.kernels.native()`), `add_int4()`/`add_int8()` store block
+    copies for them instead (`q4`, `q8`: float16 block scales, int8-quantised activations, integer dot
+    products; rows computed independently likewise); torch's kernels (`int4`, `int8`) are the fallback.
     """
 
     weight: nn.Parameter | None
@@ -97,6 +103,8 @@ class Linear(nn.Module):
         self.packed: torch.Tensor | None = None
         self.int4: tuple[torch.Tensor, torch.Tensor] | None = None
         self.int8: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.q4: Q4Weight | None = None
+        self.q8: Q8Weight | None = None
 
     @classmethod
     def sharing(cls, weight: nn.Parameter) -> Linear:
@@ -104,6 +112,7 @@ class Linear(nn.Module):
         linear = cls.__new__(cls)
         nn.Module.__init__(linear)
         linear.weight, linear.bias, linear.packed, linear.int4, linear.int8 = weight, None, None, None, None
+        linear.q4, linear.q8 = None, None
         return linear
 
     def add_int4(self) -> None:
@@ -111,6 +120,10 @@ class Linear(nn.Module):
         bfloat16. A shape the int4 kernel cannot tile (inputs not a multiple of 32 or outputs of 16) keeps the
         dense weight."""
         out_features, in_features = self.hf_weight.shape
+        if kernels.native() is not None and fits(self.hf_weight.shape):
+            self.q4 = quantize_q4(self.hf_weight.detach())
+            self.weight = None
+            return
         if in_features % INT4_GROUP or out_features % 16:
             return
         packed, scales_and_zeros = quantize_int4(self.hf_weight.detach())
@@ -118,7 +131,11 @@ class Linear(nn.Module):
         self.weight = None
 
     def add_int8(self) -> None:
-        """Quantize the current (ideally float32) weight into the int8 copy; its scales are bfloat16."""
+        """Quantize the current (ideally float32) weight into the int8 copy; its scales are bfloat16 (float16 per
+        block of 32 for the native kernel, which recovers a GGUF Q8_0 matrix exactly)."""
+        if kernels.native() is not None and fits(self.hf_weight.shape):
+            self.q8 = quantize_q8(self.hf_weight.detach())
+            return
         q, scales = quantize_int8(self.hf_weight.detach())
         self.int8 = (q, scales.to(torch.bfloat16))
 
@@ -133,6 +150,8 @@ class Linear(nn.Module):
     def hf_weight(self) -> torch.Tensor:  # [out_features, in_features]; once packed or int4, a read-only dense copy
         if self.weight is not None:
             return self.weight
+        if self.q4 is not None:
+            return self.q4.dequantize().to(torch.bfloat16)
         if self.int4 is not None:  # the identity through the kernel reads the dequantized weight back
             packed, scales_and_zeros = self.int4
             eye = torch.eye(packed.shape[1] * 2, dtype=scales_and_zeros.dtype)
@@ -141,6 +160,15 @@ class Linear(nn.Module):
         return self.packed.to_dense()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in] -> [num_tokens, out]
+        if self.q4 is not None or self.q8 is not None:
+            native = kernels.native()
+            assert native is not None  # q4/q8 are only made when it is
+            if self.q4 is not None:
+                y = self.q4.linear(native, x)
+            else:  # the int8 head: float32 logits straight away, no bfloat16 rounding before the cast
+                assert self.q8 is not None
+                y = self.q8.linear(native, x, float_out=True)
+            return y if self.bias is None else y + self.bias
         if self.int4 is not None:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.int4[0], INT4_GROUP, self.int4[1])
             return y if self.bias is None else y + self.bias

@@ -1,0 +1,67 @@
+"""Native CPU kernels (a C++ torch extension), built on first use and cached; the torch path when unavailable.
+
+`native()` compiles `quant_gemm.cpp` with torch.utils.cpp_extension (ninja and the system C++ compiler) into
+torch's extension cache (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions), once per machine and
+source version; later processes load the cached library in milliseconds. The instruction set is chosen at
+build time: AVX2 + FMA + F16C intrinsics where /proc/cpuinfo lists all three, the scalar C++ loops otherwise
+(each under its own extension name, so the two builds never overwrite each other).
+
+SPECD_NATIVE_KERNELS=0 turns the kernels off (the model keeps torch's int4/int8 kernels); =scalar builds and
+uses the scalar loops even on an AVX2 CPU. A failed build warns once and returns None: callers fall back to
+the torch path, never crash.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+ENV_VAR = "SPECD_NATIVE_KERNELS"
+_SOURCE = Path(__file__).with_name("quant_gemm.cpp")
+_AVX2_FLAGS = ("avx2", "fma", "f16c")
+
+
+def cpu_has_avx2() -> bool:
+    """Whether this CPU has AVX2, FMA and F16C (Linux: read from /proc/cpuinfo; elsewhere: assume not)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            return all(flag in flags for flag in _AVX2_FLAGS)
+    return False
+
+
+def build(isa: str) -> ModuleType:
+    """Compile (or load from torch's cache) the extension for `isa` ("avx2" or "scalar"). Raises on failure."""
+    if isa not in ("avx2", "scalar"):
+        raise ValueError(f"isa: {isa!r} is not 'avx2' or 'scalar'")
+    from torch.utils import cpp_extension  # deferred: importing it costs ~0.3 s
+
+    flags = ["-O3", "-mavx2", "-mfma", "-mf16c"] if isa == "avx2" else ["-O3", "-DSPECD_SCALAR"]
+    return cpp_extension.load(name=f"specd_quant_gemm_{isa}", sources=[str(_SOURCE)], extra_cflags=flags,
+                              verbose=False)
+
+
+@functools.cache
+def native() -> ModuleType | None:
+    """The kernels module for this CPU, or None (off by SPECD_NATIVE_KERNELS=0, or the build failed: one warning)."""
+    setting = os.environ.get(ENV_VAR, "").strip().lower()
+    if setting in ("0", "off", "false", "no"):
+        return None
+    if setting not in ("", "1", "on", "scalar"):
+        warnings.warn(f"{ENV_VAR}={setting!r} is not 0, 1 or scalar; using the default", stacklevel=2)
+    isa = "scalar" if setting == "scalar" or not cpu_has_avx2() else "avx2"
+    try:
+        return build(isa)
+    except Exception as exc:  # a missing compiler, ninja or header: the torch path still works
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        warnings.warn(f"specd's native CPU kernels could not be built ({first_line}); using torch's slower int4/int8 "
+                      f"kernels. Install a C++ compiler and `pip install ninja`, or set {ENV_VAR}=0 to silence this.",
+                      RuntimeWarning, stacklevel=2)
+        return None

@@ -1,0 +1,100 @@
+"""Block-quantised weights for the native kernels (blocks of 32 inputs, float16 block scales).
+
+q4: w = scale * q + min with q in 0..15 (a GGUF Q4_1 block: its codes and float16 scale/min are recovered
+exactly from the dequantized weights). q8: w = scale * q with q in -127..127 (a GGUF Q8_0 block, recovered
+exactly likewise). `Q4Weight.linear` / `Q8Weight.linear` run the native kernel, which also quantises each
+activation row per block of 32 to int8; `reference_linear` is the same arithmetic in float64 for tests.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import NamedTuple
+
+import torch
+
+BLOCK = 32
+
+
+class Q4Weight(NamedTuple):
+    codes: torch.Tensor  # [out, in // 2] uint8: byte i of a block holds inputs i (low nibble) and i + 16 (high)
+    scales: torch.Tensor  # [out, in // 32] float16
+    mins: torch.Tensor  # [out, in // 32] float16
+
+    def dequantize(self) -> torch.Tensor:  # [out, in] float32
+        out_features, half = self.codes.shape
+        blocks = self.codes.view(out_features, -1, BLOCK // 2)  # [out, blocks, 16]
+        q = torch.cat([blocks & 0x0F, blocks >> 4], dim=-1).float()  # [out, blocks, 32]
+        w = q * self.scales.float().unsqueeze(-1) + self.mins.float().unsqueeze(-1)
+        return w.view(out_features, half * 2)
+
+    def linear(self, kernels: ModuleType, x: torch.Tensor, float_out: bool = False) -> torch.Tensor:
+        # [rows, in] float32/bfloat16 -> [rows, out] in x's dtype (float32 when float_out)
+        return kernels.q4_linear(x.contiguous(), self.codes, self.scales, self.mins, float_out)
+
+
+class Q8Weight(NamedTuple):
+    codes: torch.Tensor  # [out, in] int8
+    scales: torch.Tensor  # [out, in // 32] float16
+
+    def dequantize(self) -> torch.Tensor:  # [out, in] float32
+        out_features, in_features = self.codes.shape
+        blocks = self.codes.view(out_features, -1, BLOCK).float()
+        return (blocks * self.scales.float().unsqueeze(-1)).view(out_features, in_features)
+
+    def linear(self, kernels: ModuleType, x: torch.Tensor, float_out: bool = False) -> torch.Tensor:
+        return kernels.q8_linear(x.contiguous(), self.codes, self.scales, float_out)
+
+
+def fits(weight_shape: torch.Size | tuple[int, ...]) -> bool:
+    """Whether a [out, in] weight can be block-quantised (inputs a multiple of 32)."""
+    return len(weight_shape) == 2 and weight_shape[1] % BLOCK == 0 and weight_shape[1] > 0
+
+
+def quantize_q4(weight: torch.Tensor) -> Q4Weight:  # [out, in] float, in % 32 == 0
+    """Asymmetric 4-bit per block of 32: min = the block's minimum, scale = (max - min) / 15, both float16."""
+    out_features, in_features = weight.shape
+    groups = weight.float().view(out_features, in_features // BLOCK, BLOCK)
+    low = groups.amin(-1).half()  # [out, blocks]
+    scale = ((groups.amax(-1) - low.float()) / 15).half()
+    # codes against the float16-rounded scale and min, the values the kernel multiplies by
+    safe = scale.float().clamp_min(1e-30).unsqueeze(-1)
+    q = ((groups - low.float().unsqueeze(-1)) / safe).round_().clamp_(0, 15).to(torch.uint8)  # [out, blocks, 32]
+    codes = q[..., : BLOCK // 2] | (q[..., BLOCK // 2 :] << 4)
+    return Q4Weight(codes.reshape(out_features, in_features // 2).contiguous(), scale.contiguous(),
+                    low.contiguous())
+
+
+def quantize_q8(weight: torch.Tensor) -> Q8Weight:  # [out, in] float, in % 32 == 0
+    """Symmetric 8-bit per block of 32: scale = max |w| / 127 in float16."""
+    out_features, in_features = weight.shape
+    groups = weight.float().view(out_features, in_features // BLOCK, BLOCK)
+    scale = (groups.abs().amax(-1) / 127).half()  # [out, blocks]
+    safe = scale.float().clamp_min(1e-30).unsqueeze(-1)
+    q = (groups / safe).round_().clamp_(-127, 127).to(torch.int8)
+    return Q8Weight(q.view(out_features, in_features).contiguous(), scale.contiguous())
+
+
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:  # [rows, in] -> [rows, in] float64, as the kernel sees x
+    """Each row per block of 32: q = round(x * (127 / max|x|)) in float32, times max|x| / 127 (the kernel's
+    int8 activations; the same float32 operations, so the same codes)."""
+    rows, in_features = x.shape
+    groups = x.float().view(rows, in_features // BLOCK, BLOCK)
+    amax = groups.abs().amax(-1, keepdim=True)  # [rows, blocks, 1]
+    inv = torch.where(amax > 0, torch.full_like(amax, 127).div(amax), torch.zeros_like(amax))  # not 127 / amax: torch
+    # computes that as reciprocal(amax) * 127, two roundings where the kernel has one
+    q = (groups * inv).round().clamp(-127, 127)
+    return (q.double() * (amax / 127).double()).view(rows, in_features)
+
+
+def reference_linear(weight: Q4Weight | Q8Weight, x: torch.Tensor) -> torch.Tensor:  # [rows, in] -> [rows, out] f64
+    """The kernel's maths in float64: int8 activations times the dequantized weight, except that q4's min term
+    reads the unquantised activations' block sums (as the kernel does)."""
+    x_q = quantize_activations(x)
+    if isinstance(weight, Q8Weight):
+        return x_q @ weight.dequantize().double().t()
+    out_features = weight.codes.shape[0]
+    scaled_codes = (weight.dequantize().double().view(out_features, -1, BLOCK)
+                    - weight.mins.double().unsqueeze(-1)).view(out_features, -1)
+    block_sums = x.double().view(x.shape[0], -1, BLOCK).sum(-1)  # [rows, blocks]
+    return x_q @ scaled_codes.t() + block_sums @ weight.mins.double().t()

@@ -1,0 +1,155 @@
+"""specd's native block-quantised GEMM kernels: against a float64 model of their maths, row independence, the
+scalar build, and the fallback to torch's kernels when the extension cannot be built."""
+
+import warnings
+
+import pytest
+import torch
+
+import specd.kernels
+from specd.kernels.blockquant import (
+    Q4Weight,
+    quantize_activations,
+    quantize_q4,
+    quantize_q8,
+    reference_linear,
+)
+
+
+@pytest.fixture(scope="module")
+def native():
+    module = specd.kernels.native()
+    if module is None:
+        pytest.skip("specd's native kernels did not build here (see the warning)")
+    return module
+
+
+def _weights(out_features=200, in_features=192, seed=0):
+    torch.manual_seed(seed)
+    return torch.randn(out_features, in_features)
+
+
+@pytest.mark.parametrize("quantize", [quantize_q4, quantize_q8], ids=["q4", "q8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_equals_its_float64_model_up_to_float32_accumulation(native, quantize, dtype):
+    weight = quantize(_weights())
+    x = torch.randn(7, 192).to(dtype)
+    got = weight.linear(native, x, float_out=True)
+    assert got.dtype == torch.float32 and got.shape == (7, 200)
+    expected = reference_linear(weight, x.float())
+    # Integer block dots are exact; what remains is float32 rounding of 6 block terms per output (|y| ~ 30).
+    torch.testing.assert_close(got.double(), expected, rtol=0, atol=1e-4 * expected.abs().max().item())
+    # Without float_out the result comes back in x's dtype, the same values rounded once.
+    torch.testing.assert_close(weight.linear(native, x), got.to(dtype), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("quantize", [quantize_q4, quantize_q8], ids=["q4", "q8"])
+def test_kernel_is_close_to_the_dense_product_within_the_quantisation_error(native, quantize):
+    weight = quantize(_weights())
+    x = torch.randn(5, 192)
+    dense = x.double() @ weight.dequantize().double().t()  # exact weights: only the activations are rounded
+    err = (weight.linear(native, x, float_out=True).double() - dense).abs()
+    # Each activation moves by at most half a step (max|x| / 254 per block of 32), so |error| <= sum over
+    # inputs of |w| * step / 2; the bound is per output row and column.
+    step = x.abs().view(5, -1, 32).amax(-1).repeat_interleave(32, dim=1).double() / 127  # [rows, in]
+    bound = (step / 2) @ weight.dequantize().double().abs().t()
+    assert (err <= bound * 1.001 + 1e-5).all()
+    assert err.max() > 0  # the activations really are quantised (a float path would pass the bound trivially)
+
+
+@pytest.mark.parametrize("quantize", [quantize_q4, quantize_q8], ids=["q4", "q8"])
+def test_a_row_gives_the_same_bits_alone_and_among_others(native, quantize):
+    weight = quantize(_weights(out_features=96))
+    x = torch.randn(33, 192).to(torch.bfloat16)
+    together = weight.linear(native, x, float_out=True)
+    for i in (0, 13, 32):
+        assert torch.equal(weight.linear(native, x[i : i + 1], float_out=True), together[i : i + 1])
+    assert torch.equal(weight.linear(native, x[5:9], float_out=True), together[5:9])
+
+
+def test_quantisation_recovers_gguf_blocks_exactly():
+    torch.manual_seed(3)
+    blocks = torch.randint(0, 16, (8, 4, 32)).float()
+    blocks[..., 0], blocks[..., 1] = 0, 15  # each block spans the grid, as a Q4_1 block does
+    scales, mins = torch.rand(8, 4, 1).half().float(), torch.randn(8, 4, 1).half().float()
+    weight = (blocks * scales + mins).view(8, 128)
+    q4 = quantize_q4(weight)
+    assert torch.equal(q4.dequantize(), weight)
+    q8_codes = torch.randint(-127, 128, (8, 4, 32)).float()
+    q8_codes[..., 0] = 127
+    q8_weight = (q8_codes * scales).view(8, 128)
+    q8 = quantize_q8(q8_weight)
+    assert torch.equal(q8.codes.float(), q8_codes.view(8, 128)) and torch.equal(q8.dequantize(), q8_weight)
+
+
+def test_activation_model_rounds_like_the_kernel():
+    x = torch.tensor([[127.0, 0.5, -0.5, 1.5, 63.4] + [0.0] * 27])
+    assert quantize_activations(x)[0, :5].tolist() == [127.0, 0.0, -0.0, 2.0, 63.0]  # ties to even
+
+
+def test_bad_arguments_name_the_field(native):
+    weight = quantize_q4(_weights(out_features=16, in_features=64))
+    with pytest.raises(RuntimeError, match="x has 32 inputs, the weight 64"):
+        weight.linear(native, torch.randn(2, 32))
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        weight.linear(native, torch.randn(2, 64).double())
+    with pytest.raises(RuntimeError, match="scales and mins"):
+        Q4Weight(weight.codes, weight.scales.float(), weight.mins).linear(native, torch.randn(2, 64))
+
+
+def test_the_scalar_build_agrees_with_the_reference():
+    try:
+        scalar = specd.kernels.build("scalar")
+    except Exception as exc:  # no compiler: the native fixture's tests skip for the same reason
+        pytest.skip(f"the scalar build failed: {exc}")
+    assert not scalar.uses_avx2()
+    for quantize in (quantize_q4, quantize_q8):
+        weight = quantize(_weights())
+        x = torch.randn(3, 192)
+        expected = reference_linear(weight, x)
+        torch.testing.assert_close(weight.linear(scalar, x, float_out=True).double(), expected, rtol=0,
+                                   atol=1e-4 * expected.abs().max().item())
+    with pytest.raises(ValueError, match="isa"):
+        specd.kernels.build("avx512")
+
+
+def test_a_failed_build_warns_once_and_returns_none(monkeypatch):
+    def broken(isa):
+        raise RuntimeError("Error building extension 'specd_quant_gemm': no compiler\nmore lines")
+
+    monkeypatch.setattr(specd.kernels, "build", broken)
+    specd.kernels.native.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="could not be built .*no compiler.*torch's slower") as record:
+            assert specd.kernels.native() is None
+            assert specd.kernels.native() is None  # cached: no second build, no second warning
+        assert len(record) == 1
+    finally:
+        specd.kernels.native.cache_clear()
+
+
+def test_the_environment_variable_turns_the_kernels_off(monkeypatch):
+    monkeypatch.setenv(specd.kernels.ENV_VAR, "0")
+    specd.kernels.native.cache_clear()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert specd.kernels.native() is None
+    finally:
+        specd.kernels.native.cache_clear()
+
+
+def test_an_int4_model_without_the_kernels_uses_torchs(monkeypatch):
+    from specd.model.config import ModelArchConfig
+    from specd.model.llama import build_model
+    from specd.testing import tiny_hf_config_dict, tiny_hf_model
+
+    cfg = tiny_hf_config_dict()
+    hf = tiny_hf_model(cfg)
+    state = {k: v.detach().clone() for k, v in hf.state_dict().items()}
+    monkeypatch.setattr(specd.kernels, "native", lambda: None)
+    model = build_model(ModelArchConfig.from_hf_dict(cfg), state, torch.bfloat16, int4=True)
+    proj = model.layers[0].qkv_proj
+    assert proj.q4 is None and proj.int4 is not None
+    logits = model.compute_logits(torch.randn(2, 64).bfloat16())
+    assert logits.shape == (2, 320) and torch.isfinite(logits).all()
