@@ -1,6 +1,7 @@
 """Plain decoding end to end: specd vs llama.cpp on the same GGUF, side by side in one run.
 
-    .venv/bin/python bench/decode.py [--engines llama.cpp specd:default specd:float32 transformers:bfloat16]
+    .venv/bin/python bench/decode.py [--engines llama.cpp specd:default specd:float32 specd-torch:default
+        transformers:bfloat16]
         [--kinds chat code rewrite docqa long] [--max-tokens 128] [--rounds 3] [--batch8-kind rewrite]
         [--json OUT]
 
@@ -23,6 +24,8 @@ with the range beside it.
 llama.cpp runs through llama-cpp-python's low-level bindings (`llama_decode` on a batch, greedy argmax over
 the logits in numpy), with one sequence per KV stream at batch 8, so both engines pay only their own step.
 The llama.cpp rows are skipped, with the install command, when `llama_cpp` is not importable.
+`specd-torch:<dtype>` is specd with its native kernels off (SPECD_NATIVE_KERNELS=0 in that worker: torch's
+int4/int8 kernels), for before/after rows in one run.
 """
 
 from __future__ import annotations
@@ -238,13 +241,15 @@ class TransformersRunner:
 
 def make_runner(engine: str, threads: int | None) -> Runner:
     name, _, option = engine.partition(":")
-    if name == "specd":
+    if name in ("specd", "specd-torch"):  # the worker's environment already chose the kernels
         return SpecdRunner(option or "default", threads)
     if name == "llama.cpp":
         return LlamaCppRunner(threads)
     if name == "transformers":
         return TransformersRunner(option or "bfloat16", threads)
-    raise SystemExit(f"--engines: unknown engine {engine!r} (specd[:dtype], llama.cpp, transformers[:dtype])")
+    raise SystemExit(
+        f"--engines: unknown engine {engine!r} (specd[:dtype], specd-torch[:dtype], llama.cpp, transformers[:dtype])"
+    )
 
 
 def serve_worker(engine: str, threads: int | None) -> None:
@@ -262,9 +267,12 @@ class Worker:
     def __init__(self, engine: str, threads: int | None) -> None:
         self.engine = engine
         thread_args = ["--threads", str(threads)] if threads else []
+        env = os.environ.copy()
+        if engine.partition(":")[0] == "specd-torch":
+            env["SPECD_NATIVE_KERNELS"] = "0"
         self.proc = subprocess.Popen(
             [sys.executable, __file__, "--worker", engine, *thread_args], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            text=True, env=os.environ.copy(),
+            text=True, env=env,
         )
         self._read()
 

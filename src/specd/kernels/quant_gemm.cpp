@@ -85,28 +85,43 @@ inline float hsum(__m256 v) {
 }
 #endif
 
+#if SPECD_AVX2
+// One q4 block times 32 int8 activations, accumulated into acc as 8 float lanes.
+inline __m256 q4_block(const uint8_t* w, const int8_t* x, float scale, __m256 acc) {
+  // Both 16-byte halves of the register hold the block; shifting the upper half right by 4 bits brings the
+  // high nibbles (inputs 16..31) down, so one mask gives all 32 codes in input order.
+  const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+  const __m256i codes = _mm256_and_si256(_mm256_srlv_epi32(both, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)),
+                                         _mm256_set1_epi8(0x0F));
+  const __m256i xs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  const __m256i pairs = _mm256_madd_epi16(_mm256_maddubs_epi16(codes, xs), _mm256_set1_epi16(1));  // 8 x int32
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(pairs), _mm256_set1_ps(scale), acc);
+}
+#endif
+
 // Dot product of one q4 weight row with one quantised activation row.
 inline float dot_q4(const uint8_t* w, const at::Half* w_scale, const at::Half* w_min, const int8_t* x,
                     const float* x_scale, const float* x_sum, int64_t blocks) {
-  float min_part = 0.f;
 #if SPECD_AVX2
-  const __m128i low_mask = _mm_set1_epi8(0x0F);
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t b = 0; b < blocks; ++b) {
-    const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + b * 16));
-    const __m128i low = _mm_and_si128(packed, low_mask);
-    const __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), low_mask);
-    const __m256i codes = _mm256_set_m128i(high, low);
-    const __m256i xs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + b * kBlock));
-    const __m256i pairs = _mm256_madd_epi16(_mm256_maddubs_epi16(codes, xs), ones);  // 8 x int32
-    const float scale = half_to_float(w_scale[b]) * x_scale[b];
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pairs), _mm256_set1_ps(scale), acc);
-    min_part += half_to_float(w_min[b]) * x_sum[b];
+  // Two accumulators, so consecutive blocks' FMAs do not wait on each other.
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  int64_t b = 0;
+  for (; b + 1 < blocks; b += 2) {
+    acc0 = q4_block(w + b * 16, x + b * kBlock, half_to_float(w_scale[b]) * x_scale[b], acc0);
+    acc1 = q4_block(w + (b + 1) * 16, x + (b + 1) * kBlock, half_to_float(w_scale[b + 1]) * x_scale[b + 1], acc1);
   }
-  return hsum(acc) + min_part;
+  if (b < blocks) acc0 = q4_block(w + b * 16, x + b * kBlock, half_to_float(w_scale[b]) * x_scale[b], acc0);
+  // The min term sum_b min_b * sum(x in block b), eight blocks per instruction.
+  __m256 min_acc = _mm256_setzero_ps();
+  for (b = 0; b + 8 <= blocks; b += 8) {
+    const __m256 mins = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w_min + b)));
+    min_acc = _mm256_fmadd_ps(mins, _mm256_loadu_ps(x_sum + b), min_acc);
+  }
+  float min_part = hsum(min_acc);
+  for (; b < blocks; ++b) min_part += half_to_float(w_min[b]) * x_sum[b];
+  return hsum(_mm256_add_ps(acc0, acc1)) + min_part;
 #else
-  float acc = 0.f;
+  float acc = 0.f, min_part = 0.f;
   for (int64_t b = 0; b < blocks; ++b) {
     int32_t dot = 0;
     const uint8_t* wb = w + b * 16;
@@ -125,18 +140,17 @@ inline float dot_q4(const uint8_t* w, const at::Half* w_scale, const at::Half* w
 inline float dot_q8(const int8_t* w, const at::Half* w_scale, const int8_t* x, const float* x_scale,
                     int64_t blocks) {
 #if SPECD_AVX2
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 acc = _mm256_setzero_ps();
+  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};  // alternate blocks: independent FMA chains
   for (int64_t b = 0; b < blocks; ++b) {
     const __m256i ws = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * kBlock));
     const __m256i xs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + b * kBlock));
     // maddubs wants an unsigned operand: |w| times x with w's sign moved onto it.
     const __m256i products = _mm256_maddubs_epi16(_mm256_sign_epi8(ws, ws), _mm256_sign_epi8(xs, ws));
-    const __m256i pairs = _mm256_madd_epi16(products, ones);
+    const __m256i pairs = _mm256_madd_epi16(products, _mm256_set1_epi16(1));
     const float scale = half_to_float(w_scale[b]) * x_scale[b];
-    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pairs), _mm256_set1_ps(scale), acc);
+    acc[b & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pairs), _mm256_set1_ps(scale), acc[b & 1]);
   }
-  return hsum(acc);
+  return hsum(_mm256_add_ps(acc[0], acc[1]));
 #else
   float acc = 0.f;
   for (int64_t b = 0; b < blocks; ++b) {
