@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import specd.kernels as kernels
 from common import markdown_table
-from specd import kernels
 from specd.kernels.blockquant import quantize_q4, quantize_q8
 from specd.model.llama import INT4_GROUP, quantize_int4, quantize_int8
 

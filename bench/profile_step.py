@@ -38,8 +38,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import specd.kernels as kernels
 from common import markdown_table
-from specd import kernels
 from specd.kernels.blockquant import Q4Weight, Q8Weight
 from specd.model.attention import ForwardBatch
 from specd.model.kv_cache import KVCache

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specd import kernels
+import specd.kernels as kernels
 from specd.errors import ModelLoadError
 from specd.kernels.blockquant import Q4Weight, Q8Weight, fits, quantize_q4, quantize_q8
 from specd.model.attention import AttentionMetadata, ForwardBatch, attend, write_kv
