@@ -63,3 +63,31 @@ def test_spec_counters_equal_sum_of_usage(spec_server):
     assert delta("specd_time_to_first_token_seconds_count", model_labels) == num_choices
     assert delta("specd_e2e_request_latency_seconds_count", model_labels) == num_choices
     assert after[("specd_num_requests_running", model_labels)] == 0
+
+
+def test_n2_counts_one_http_request_and_two_choices(spec_server):
+    """n > 1: the engine-level figures count choices, the http_* counters and usage count the HTTP request."""
+    model = spec_server.model
+    model_labels = (("model", model),)
+    before = spec_server.metrics()
+    client = spec_server.client()
+    out = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": PROMPTS[1]}], max_tokens=16, temperature=0.8, n=2, seed=5)
+    single = client.completions.create(model=model, prompt=PROMPTS[0], max_tokens=16, temperature=0)
+    after = spec_server.metrics()
+
+    def delta(name: str, sample_labels: tuple) -> float:
+        return after.get((name, sample_labels), 0.0) - before.get((name, sample_labels), 0.0)
+
+    assert len(out.choices) == 2
+    assert _spec(out.usage)["choices"] == 2 and _spec(single.usage)["choices"] == 1
+    assert delta("specd_http_requests_total", model_labels) == 2
+    assert delta("specd_http_request_choices_total", model_labels) == 3
+    finished = sum(delta("specd_request_finished_total", (("finish_reason", reason), ("model", model)))
+                   for reason in ("length", "stop"))
+    assert finished == 3  # per choice
+    # The usage of the n = 2 request sums both choices: with the single request it makes the Prometheus delta.
+    labels = (("model", model), ("proposer", "ngram"))
+    for name in ("drafts", "draft_tokens", "accepted_tokens", "emitted_tokens"):
+        summed = _spec(out.usage)[name] + _spec(single.usage)[name]
+        assert delta(f"specd_spec_decode_{name}_total", labels) == summed, name

@@ -273,6 +273,8 @@ class AsyncEngine:
                 self._llm.abort(request_id)
             command.future.set_exception(exc)
         else:
+            if self._metrics is not None:
+                self._metrics.observe_admitted(len(command.requests))
             command.future.set_result(None)
 
     def _step(self) -> None:

@@ -62,6 +62,18 @@ class RequestMetrics:
             "Engine requests finished, by finish_reason (stop, length, abort, error). One per choice.",
             ("model", "finish_reason"), registry=registry,
         )
+        # Per HTTP request (a request with n choices and P prompts is one here, P * n engine requests above).
+        self._http_requests = Counter(
+            "specd_http_requests",
+            "HTTP generation requests whose choices were all admitted to the engine (one per request, any n).",
+            labels, registry=registry,
+        ).labels(model_name)
+        self._http_choices = Counter(
+            "specd_http_request_choices",
+            "Choices (engine requests, prompts x n) of the admitted HTTP requests; / specd_http_requests_total "
+            "is the mean number of choices per HTTP request.",
+            labels, registry=registry,
+        ).labels(model_name)
         self._errors = Counter(
             "specd_request_errors",
             "HTTP requests answered with an error status, by error code "
@@ -75,6 +87,11 @@ class RequestMetrics:
         self._waiting.set(num_waiting)
         self._kv_used.set(kv_used_slots)
         self._in_line.set(num_in_line)
+
+    def observe_admitted(self, num_choices: int) -> None:
+        """Record one HTTP request whose num_choices engine requests were all added to the engine."""
+        self._http_requests.inc()
+        self._http_choices.inc(num_choices)
 
     def observe_finished(self, delta: RequestDelta) -> None:
         """Record one finished engine request from its final delta."""

@@ -187,8 +187,9 @@ class ErrorBody(BaseModel):
 
 
 class SpeculativeDecodingUsage(BaseModel):
-    """Speculation counters of one request, summed over its choices; ratios are of the sums (pooled)."""
+    """Speculation counters of one HTTP request, summed over its choices; ratios are of the sums (pooled)."""
 
+    choices: int  # engine requests (prompts x n) these counters sum over
     drafts: int
     draft_tokens: int
     accepted_tokens: int

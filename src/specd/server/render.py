@@ -71,8 +71,9 @@ def request_usage(num_prompt_tokens: int, choices: list[ChoiceState], k_max: int
         if final.spec_stats is not None:
             counters = counters + final.spec_stats.counters
     spec = SpeculativeDecodingUsage(
-        drafts=counters.drafts, draft_tokens=counters.draft_tokens, accepted_tokens=counters.accepted_tokens,
-        emitted_tokens=counters.emitted_tokens, acceptance_rate=counters.acceptance_rate,
+        choices=len(choices), drafts=counters.drafts, draft_tokens=counters.draft_tokens,
+        accepted_tokens=counters.accepted_tokens, emitted_tokens=counters.emitted_tokens,
+        acceptance_rate=counters.acceptance_rate,
         mean_accepted_length=counters.mean_accepted_length, mean_acceptance_length=counters.mean_acceptance_length,
     )
     return Usage(prompt_tokens=num_prompt_tokens, completion_tokens=completion_tokens,
