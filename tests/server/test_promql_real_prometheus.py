@@ -197,6 +197,7 @@ def _expected_scalars(metrics: dict[str, Any]) -> dict[str, float]:
             c["emitted_tokens"] + c["nonspec_tokens"], c["drafts"] + c["nonspec_seq_steps"]
         ),
         "share of steps that speculated": _ratio(c["spec_steps"], c["steps"]),
+        "speed-up estimate": _ratio(metrics["speedup"]["plain_decode_s"], metrics["speedup"]["decode_s"]),
     }
 
 

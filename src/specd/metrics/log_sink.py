@@ -66,6 +66,10 @@ def format_log_line(snapshot: SpecMetricsSnapshot, interval_s: float | None = No
         f"prefill_only_steps={totals.prefill_only_steps}",
         f"prefill_tokens={totals.prefill_tokens}",
         f"prefill_s={totals.prefill_s:.6f}",
+        f"speedup={_fmt(snapshot.speedup.speedup_estimate)}",
+        f"decode_s={snapshot.speedup.decode_s:.6f}",
+        f"plain_decode_s={snapshot.speedup.plain_decode_s:.6f}",
+        f"unestimated_decode_steps={snapshot.speedup.unestimated_decode_steps}",
     ]
     if interval_s is not None:
         fields.append(f"interval_s={interval_s:.3f}")

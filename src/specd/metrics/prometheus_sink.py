@@ -65,6 +65,8 @@ class PrometheusSink:
         self._spec_steps = 0
         self._prefill_steps = 0
         self._prefill_tokens = 0
+        self._speedup_decode_s = 0.0
+        self._speedup_plain_decode_s = 0.0
 
     def bind(self, recorder: SpecStatsRecorder) -> None:
         """Take k_max from the recorder and register in the registry (once: a sink serves one recorder)."""
@@ -105,6 +107,8 @@ class PrometheusSink:
             if record.num_prefill_tokens:
                 self._prefill_steps += 1
                 self._prefill_tokens += record.num_prefill_tokens
+            self._speedup_decode_s += record.speedup_decode_s
+            self._speedup_plain_decode_s += record.speedup_plain_decode_s
         self._propose.observe(record.times.propose_s)
         self._verify.observe(record.times.verify_s)
         self._sample.observe(record.times.sample_s)
@@ -131,10 +135,11 @@ class PrometheusSink:
             counters = self._cells.freeze()
             steps, spec_steps = self._steps, self._spec_steps
             prefill_steps, prefill_tokens = self._prefill_steps, self._prefill_tokens
+            speedup_decode_s, speedup_plain_decode_s = self._speedup_decode_s, self._speedup_plain_decode_s
         sink_errors = self._recorder.sink_errors
         names, values = list(self._labels), list(self._labels.values())
 
-        def counter(name: str, doc: str, value: int) -> CounterMetricFamily:
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
             family = CounterMetricFamily(f"{NAMESPACE}_{name}", doc, labels=names)
             if with_samples:
                 family.add_metric(values, value)
@@ -160,6 +165,16 @@ class PrometheusSink:
         if with_samples:
             sink_family.add_metric(values, sink_errors)
         yield sink_family
+        yield counter(
+            "speedup_decode_seconds",
+            "Seconds of decode steps with a plain-step cost estimate (propose + verify + sample).",
+            speedup_decode_s,
+        )
+        yield counter(
+            "speedup_plain_decode_seconds",
+            "Estimated seconds plain decoding would have spent on the same tokens (docs/metrics.md, speed-up).",
+            speedup_plain_decode_s,
+        )
         yield counter("steps", "Engine steps recorded (every forward, prefill-only steps included).", steps)
         yield counter("spec_steps", "Steps with at least one draft.", spec_steps)
         yield counter("prefill_steps", "Steps whose forward prefilled at least one prompt chunk.", prefill_steps)

@@ -92,6 +92,8 @@ class StepRecord(NamedTuple):
     num_proposed_tokens: Sequence[int] = ()  # p_i >= k_i, the proposer's tokens before any cut (() = k_i)
     num_grammar_cut_tokens: Sequence[int] = ()  # of p_i, cut by a grammar before verification (() = 0s)
     k0_causes: Sequence[K0Cause] = ()  # per sequence, the cause when k_i == 0 (() = "other")
+    speedup_decode_s: float = 0.0  # this step's share of SpeedupTotals.decode_s (metrics/speedup.py)
+    speedup_plain_decode_s: float = 0.0  # and of plain_decode_s
 
 
 def add_tuples(left: tuple[int, ...], right: tuple[int, ...]) -> tuple[int, ...]:

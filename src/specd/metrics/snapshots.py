@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from bisect import bisect_left
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from specd.metrics.records import SCALAR_METRICS, SpecCounters, StepDetail, StepTotals, add_tuples, ratio
+from specd.metrics.speedup import SpeedupTotals
 
 
 def tau_bucket_bounds(k_max: int) -> tuple[float, ...]:
@@ -127,10 +128,11 @@ class SpecMetricsSnapshot:
     counters: SpecCounters
     step_totals: StepTotals
     per_request: PerRequestAggregates
+    speedup: SpeedupTotals = field(default_factory=SpeedupTotals)  # the recorder's; a trace recount has none
 
     @classmethod
     def zero(cls, k_max: int) -> SpecMetricsSnapshot:
-        return cls(SpecCounters.zero(k_max), StepTotals(), PerRequestAggregates.zero(k_max))
+        return cls(SpecCounters.zero(k_max), StepTotals(), PerRequestAggregates.zero(k_max), SpeedupTotals())
 
     def __add__(self, other: SpecMetricsSnapshot) -> SpecMetricsSnapshot:
         if not isinstance(other, SpecMetricsSnapshot):
@@ -139,6 +141,7 @@ class SpecMetricsSnapshot:
             self.counters + other.counters,
             self.step_totals + other.step_totals,
             self.per_request + other.per_request,
+            self.speedup + other.speedup,
         )
 
     @property
@@ -195,4 +198,5 @@ class SpecMetricsSnapshot:
                     "counts": list(self.per_request.tau_hist),
                 },
             },
+            "speedup": self.speedup.to_dict(),
         }

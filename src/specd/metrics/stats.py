@@ -22,6 +22,7 @@ import torch
 from specd.metrics.fanout import SinkFanout, StatsSink
 from specd.metrics.records import K0_CAUSES, K0Cause, SpecCounters, StepDetail, StepPhaseTimes, StepRecord, StepTotals
 from specd.metrics.snapshots import PerRequestAggregates, RequestSpecStats, SpecMetricsSnapshot
+from specd.metrics.speedup import PlainStepCost, SpeedupTotals
 
 __all__ = [
     "CounterCells",
@@ -150,6 +151,7 @@ class SpecStatsRecorder:
         self._live: dict[str, CounterCells] = {}
         self._detail: dict[str, list[StepDetail]] = {}
         self._base = SpecMetricsSnapshot.zero(k_max)  # every closed interval, summed
+        self._plain_cost = PlainStepCost()  # all-time: the speed-up estimate's denominator model
         self._reset_interval()
         for sink in self._sinks:
             sink.bind(self)
@@ -171,6 +173,7 @@ class SpecStatsRecorder:
         self._interval_prefill_tokens = 0
         self._interval_prefill_s = 0.0
         self._interval_requests = PerRequestAggregates.zero(self.k_max)
+        self._interval_speedup = SpeedupTotals()
 
     def record_step(
         self,
@@ -290,12 +293,34 @@ class SpecStatsRecorder:
                 self._interval_prefill_only_steps += num_seqs == 0
                 self._interval_prefill_tokens += num_prefill_tokens
                 self._interval_prefill_s += times.prefill_s
+            decode_s, plain_decode_s = self._add_speedup_locked(num_draft, num_emitted, times, num_prefill_tokens)
         if self._sinks:
             record = StepRecord(
                 step, now, request_ids, num_draft, num_accepted, num_emitted, times, num_prefill_tokens,
-                num_proposed, num_grammar_cut, k0_causes,
+                num_proposed, num_grammar_cut, k0_causes, decode_s, plain_decode_s,
             )
             self._fanout.on_step(record)
+
+    def _add_speedup_locked(
+        self, num_draft: list[int], num_emitted: list[int], times: StepPhaseTimes, num_prefill_tokens: int
+    ) -> tuple[float, float]:
+        """Measure a plain decode step, add a decode step to the speed-up sums (metrics/speedup.py).
+
+        Returns the step's (decode_s, plain_decode_s) contributions, (0, 0) when it adds none.
+        """
+        num_seqs = len(num_draft)
+        if not num_seqs:
+            return 0.0, 0.0
+        if not num_prefill_tokens and not any(num_draft):
+            self._plain_cost.observe(num_seqs, times.verify_s + times.sample_s)
+        plain_step_s = self._plain_cost.estimate(num_seqs)
+        if plain_step_s is None:
+            self._interval_speedup = self._interval_speedup + SpeedupTotals(unestimated_decode_steps=1)
+            return 0.0, 0.0
+        decode_s = times.propose_s + times.verify_s + times.sample_s
+        plain_decode_s = plain_step_s * sum(num_emitted) / num_seqs
+        self._interval_speedup = self._interval_speedup + SpeedupTotals(decode_s, plain_decode_s)
+        return decode_s, plain_decode_s
 
     def _record_detail(
         self,
@@ -346,7 +371,7 @@ class SpecStatsRecorder:
             self._interval_prefill_tokens,
             self._interval_prefill_s,
         )
-        return SpecMetricsSnapshot(self._interval.freeze(), totals, self._interval_requests)
+        return SpecMetricsSnapshot(self._interval.freeze(), totals, self._interval_requests, self._interval_speedup)
 
     def snapshot(self) -> SpecMetricsSnapshot:
         """Cumulative counters since the recorder was created."""
