@@ -173,7 +173,9 @@ class SpecStatsRecorder:
         self._interval_prefill_tokens = 0
         self._interval_prefill_s = 0.0
         self._interval_requests = PerRequestAggregates.zero(self.k_max)
-        self._interval_speedup = SpeedupTotals()
+        self._interval_decode_s = 0.0  # the speed-up sums (metrics/speedup.py)
+        self._interval_plain_decode_s = 0.0
+        self._interval_unestimated_decode_steps = 0
 
     def record_step(
         self,
@@ -315,11 +317,12 @@ class SpecStatsRecorder:
             self._plain_cost.observe(num_seqs, times.verify_s + times.sample_s)
         plain_step_s = self._plain_cost.estimate(num_seqs)
         if plain_step_s is None:
-            self._interval_speedup = self._interval_speedup + SpeedupTotals(unestimated_decode_steps=1)
+            self._interval_unestimated_decode_steps += 1
             return 0.0, 0.0
         decode_s = times.propose_s + times.verify_s + times.sample_s
         plain_decode_s = plain_step_s * sum(num_emitted) / num_seqs
-        self._interval_speedup = self._interval_speedup + SpeedupTotals(decode_s, plain_decode_s)
+        self._interval_decode_s += decode_s
+        self._interval_plain_decode_s += plain_decode_s
         return decode_s, plain_decode_s
 
     def _record_detail(
@@ -371,7 +374,10 @@ class SpecStatsRecorder:
             self._interval_prefill_tokens,
             self._interval_prefill_s,
         )
-        return SpecMetricsSnapshot(self._interval.freeze(), totals, self._interval_requests, self._interval_speedup)
+        speedup = SpeedupTotals(
+            self._interval_decode_s, self._interval_plain_decode_s, self._interval_unestimated_decode_steps
+        )
+        return SpecMetricsSnapshot(self._interval.freeze(), totals, self._interval_requests, speedup)
 
     def snapshot(self) -> SpecMetricsSnapshot:
         """Cumulative counters since the recorder was created."""
