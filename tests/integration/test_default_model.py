@@ -84,6 +84,9 @@ def test_native_int4_logits_stay_close_to_torchs_int4_path(llm, monkeypatch):
     from specd.model.llama import build_model
     from specd.model.loader import load_checkpoint
 
+    monkeypatch.setenv(specd.kernels.ENV_VAR, "1")  # opt-in (off by default: see specd/kernels/__init__.py)
+    specd.kernels.native.cache_clear()
+    monkeypatch.setattr(specd.kernels, "native", specd.kernels.native.__wrapped__)
     if specd.kernels.native() is None:
         pytest.skip("specd's native kernels did not build here")
     checkpoint = load_checkpoint("default", torch.float32)

@@ -31,8 +31,11 @@ def test_shipped_head_is_small_and_documents_its_command() -> None:
 
 @pytest.mark.parametrize("method", ["eagle", "hybrid"])
 def test_eagle_on_the_default_model_is_lossless_and_accepts(method: str) -> None:
+    # One sequence at a time: a token's logits then do not depend on whether it was decoded alone or verified among
+    # drafts (every kernel computes a row on its own), so equality is exact. Across a batch of sequences of unequal
+    # lengths attention's padded reductions differ by rounding, which can flip near-ties (bench/lossless.py).
     llm = LLM("default", speculation=SpeculationConfig(method=method, num_speculative_tokens=4),
-              max_num_seqs=2, max_model_len=512)
+              max_num_seqs=1, max_model_len=512)
     proposer = llm.engine.speculator.proposer
     assert isinstance(proposer if method == "eagle" else proposer.model, EagleProposer)
     prompts = [p for kind in ("chat", "rewrite") for p in prompts_of(kind)[:1]]

@@ -223,7 +223,11 @@ def int4_backend(request, monkeypatch):
 
     if request.param == "torch":
         monkeypatch.setattr(specd.kernels, "native", lambda: None)
-    elif specd.kernels.native() is None:
+        return request.param
+    monkeypatch.setenv(specd.kernels.ENV_VAR, "1")  # opt-in (off by default: see specd/kernels/__init__.py)
+    specd.kernels.native.cache_clear()
+    request.addfinalizer(specd.kernels.native.cache_clear)
+    if specd.kernels.native() is None:
         pytest.skip("specd's native kernels did not build here (see the warning)")
     return request.param
 

@@ -18,7 +18,7 @@ from specd.kernels.blockquant import (
 
 @pytest.fixture(scope="module")
 def native():
-    module = specd.kernels.native()
+    module = specd.kernels.build("avx2" if specd.kernels.cpu_has_avx2() else "scalar")
     if module is None:
         pytest.skip("specd's native kernels did not build here (see the warning)")
     return module
@@ -114,6 +114,8 @@ def test_the_scalar_build_agrees_with_the_reference():
 
 
 def test_a_failed_build_warns_once_and_returns_none(monkeypatch):
+    monkeypatch.setenv(specd.kernels.ENV_VAR, "1")
+
     def broken(isa):
         raise RuntimeError("Error building extension 'specd_quant_gemm': no compiler\nmore lines")
 
@@ -128,8 +130,9 @@ def test_a_failed_build_warns_once_and_returns_none(monkeypatch):
         specd.kernels.native.cache_clear()
 
 
-def test_the_environment_variable_turns_the_kernels_off(monkeypatch):
-    monkeypatch.setenv(specd.kernels.ENV_VAR, "0")
+@pytest.mark.parametrize("setting", ["0", ""])
+def test_the_kernels_are_off_unless_asked_for(monkeypatch, setting):
+    monkeypatch.setenv(specd.kernels.ENV_VAR, setting)
     specd.kernels.native.cache_clear()
     try:
         with warnings.catch_warnings():
