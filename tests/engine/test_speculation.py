@@ -402,6 +402,18 @@ def test_float32_packed_model_speculation_matches_plain_up_to_near_ties(make_llm
 
 
 # ------------------------------------------------------------------ penalties and logit_bias under speculation
+def _injected_proposer(method, draft_model, tiny_model):
+    """The proposer a test injects for `method` (None: built from the config), as in the greedy suite above."""
+    if method == "draft":
+        return DraftModelProposer(draft_model, 8, 256)
+    if method in ("eagle", "hybrid"):
+        eagle = EagleProposer(random_draft_head(tiny_model, 200), 8, 256)
+        if method == "eagle":
+            return eagle
+        return HybridProposer(NgramProposer(NgramConfig(1, 4)), eagle, tiny_model.config.vocab_size, 2)
+    return None
+
+
 PENALISED = [
     SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, presence_penalty=0.8),
     SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True, frequency_penalty=0.6),
@@ -412,15 +424,15 @@ PENALISED = [
 ]
 
 
-@pytest.mark.parametrize("method", ["ngram", "layerskip", "draft"])
-def test_greedy_with_penalties_equals_plain_decoding_with_penalties(make_llm, draft_model, method):
+@pytest.mark.parametrize("method", ["ngram", "layerskip", "draft", "eagle", "hybrid"])
+def test_greedy_with_penalties_equals_plain_decoding_with_penalties(make_llm, draft_model, tiny_model, method):
     prompts = PROMPTS[: len(PENALISED)]
     plain = make_llm().generate(prompts, PENALISED)
     baseline = [o.outputs[0].token_ids for o in make_llm().generate(prompts, GREEDY)]
     # The penalties really change the output, or this test would prove nothing.
     assert sum(o.outputs[0].token_ids != b for o, b in zip(plain, baseline)) >= 3
-    proposer = DraftModelProposer(draft_model, 8, 256) if method == "draft" else None
-    spec = _spec("layerskip" if method == "draft" else method, 4, "fixed", draft_layers=1)
+    proposer = _injected_proposer(method, draft_model, tiny_model)
+    spec = _spec(method if proposer is None else "layerskip", 4, "fixed", draft_layers=1)
     llm = make_llm(spec, proposer=proposer, max_num_seqs=4)
     outs = llm.generate(prompts, PENALISED)
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in plain]

@@ -12,7 +12,10 @@ from specd.config import SpeculationConfig
 from specd.errors import InvalidParameterError
 from specd.sampling.params import SamplingParams, StructuredOutput
 from specd.speculation.draft import DraftModelProposer
-from specd.testing import tiny_hf_config_dict, tiny_specd_model
+from specd.speculation.eagle import EagleProposer
+from specd.speculation.hybrid import HybridProposer
+from specd.speculation.ngram import NgramConfig, NgramProposer
+from specd.testing import random_draft_head, tiny_hf_config_dict, tiny_specd_model
 
 SCHEMA = {
     "type": "object",
@@ -51,11 +54,17 @@ def test_constrained_output_parses_and_obeys_the_schema(make_llm):
     assert _texts(free) != _texts(outs)
 
 
-@pytest.mark.parametrize("method", ["ngram", "layerskip", "draft"])
-def test_speculation_is_token_identical_to_plain_constrained_decoding(make_llm, draft_model, method):
+@pytest.mark.parametrize("method", ["ngram", "layerskip", "draft", "eagle", "hybrid"])
+def test_speculation_is_token_identical_to_plain_constrained_decoding(make_llm, draft_model, tiny_model, method):
     plain = make_llm().generate(PROMPTS, _params())
-    proposer = DraftModelProposer(draft_model, 8, 256) if method == "draft" else None
-    spec = SpeculationConfig(method="layerskip" if method == "draft" else method, num_speculative_tokens=4,
+    proposer = None
+    if method == "draft":
+        proposer = DraftModelProposer(draft_model, 8, 256)
+    elif method in ("eagle", "hybrid"):
+        proposer = EagleProposer(random_draft_head(tiny_model, 200), 8, 256)
+        if method == "hybrid":
+            proposer = HybridProposer(NgramProposer(NgramConfig(1, 4)), proposer, tiny_model.config.vocab_size, 2)
+    spec = SpeculationConfig(method=method if proposer is None else "layerskip", num_speculative_tokens=4,
                              draft_layers=1)
     llm = make_llm(spec, proposer=proposer, max_num_seqs=4)
     outs = llm.generate(PROMPTS, _params())
