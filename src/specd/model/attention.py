@@ -8,7 +8,6 @@ layers.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -79,10 +78,10 @@ class AttentionMetadata:
     @staticmethod
     def build(batch: ForwardBatch) -> AttentionMetadata:
         num_new = list(batch.num_new_tokens)
-        meta = AttentionMetadata._build(list(batch.slot_ids), list(batch.start_positions), num_new, batch.positions)
         short = [i for i, n in enumerate(num_new) if n <= GROUPED_MAX_NEW]
         if not short or len(short) == len(num_new):
-            return meta
+            return AttentionMetadata._build(list(batch.slot_ids), list(batch.start_positions), num_new,
+                                            batch.positions)
         # Padding every sequence to the longest chunk would cost num_seqs x chunk query rows in every layer.
         offsets = [0]
         for n in num_new:
@@ -94,7 +93,21 @@ class AttentionMetadata:
                                             [batch.start_positions[i] for i in members],
                                             [num_new[i] for i in members], batch.positions[rows])
             parts.append((rows, part))
-        return dataclasses.replace(meta, parts=tuple(parts))
+        # The whole batch's metadata serves only write_kv (one indexed copy); attention reads the parts, so the
+        # padded whole-batch mask is never built.
+        slots = torch.tensor(list(batch.slot_ids), dtype=torch.long)
+        return AttentionMetadata(
+            write_slots=torch.repeat_interleave(slots, torch.tensor(num_new, dtype=torch.long)),
+            write_positions=batch.positions,
+            slot_range=None,
+            slot_index=slots,
+            kv_len=max(s + n for s, n in zip(batch.start_positions, num_new)),
+            max_new=max(num_new),
+            pad_index=None,
+            mask=None,
+            additive_mask=None,
+            parts=tuple(parts),
+        )
 
     @staticmethod
     def _build(slots: list[int], starts: list[int], num_new: list[int], positions: torch.Tensor) -> AttentionMetadata:
