@@ -1,7 +1,8 @@
 """Serving benchmark for `specd serve`: open-loop (Poisson) and closed-loop load, speculation off vs on.
 
-For each setting it starts `specd serve` on 127.0.0.1 (a fresh server per setting, so settings share no warm
-state), sends `--warmup` requests that are not measured, then for each load point sends the same mixed
+For each setting it starts `specd serve` on 127.0.0.1 (a server per setting, all up at once, so settings share no
+warm state), sends `--warmup` requests to each that are not measured, then for each load point sends, to each
+server in turn (interleaved, so drift in the machine's load falls on every setting alike), the same mixed
 workload (bench/load.py: the four prompt kinds of bench/prompts.py in turn, output lengths 32-256 tokens, seeded)
 of `--num-requests` streaming chat requests: at Poisson arrivals of each `--rates` value (open loop; `inf` = all
 at once), and from each `--concurrency` number of clients (closed loop). With --url it measures an already
@@ -30,7 +31,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict
 from pathlib import Path
 from urllib.parse import urlparse
@@ -104,33 +105,50 @@ def wait_healthy(url: str, process: subprocess.Popen[bytes], timeout_s: float, l
     raise RuntimeError(f"specd serve did not become healthy in {timeout_s}s")
 
 
-def measure(url: str, setting: str, args: argparse.Namespace) -> list[PointStats]:
-    """Warm up, then run every load point against one server."""
+def measure(urls: dict[str, str], args: argparse.Namespace) -> list[PointStats]:
+    """Warm up every server, then run each load point against every server in turn (setting -> its URL).
+
+    Interleaved: point 1 on every setting, then point 2 on every setting (in reversed order every other point), so
+    a change in the machine's load during the run falls on all settings alike instead of on whichever ran last.
+    The servers not being measured sit idle.
+    """
 
     async def main() -> list[PointStats]:
         headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
         timeout = httpx.Timeout(args.request_timeout, connect=10)
         limits = httpx.Limits(max_connections=args.num_requests + 8)
-        async with httpx.AsyncClient(base_url=url, headers=headers, timeout=timeout, limits=limits) as client:
-            models = await client.get("/v1/models")
-            models.raise_for_status()
-            model = models.json()["data"][0]["id"]
-            for item in build_workload(args.warmup, args.seed + 1, args.kinds) if args.warmup else []:
-                warm = await one_request(client, model, item, args.temperature, args.ignore_eos)
-                if not warm.ok:
-                    raise RuntimeError(f"warm-up request failed: {warm.error}")
+        clients = {setting: httpx.AsyncClient(base_url=url, headers=headers, timeout=timeout, limits=limits)
+                   for setting, url in urls.items()}
+        try:
+            models = {}
+            for setting, client in clients.items():
+                listed = await client.get("/v1/models")
+                listed.raise_for_status()
+                models[setting] = listed.json()["data"][0]["id"]
+                for item in build_workload(args.warmup, args.seed + 1, args.kinds) if args.warmup else []:
+                    warm = await one_request(client, models[setting], item, args.temperature, args.ignore_eos)
+                    if not warm.ok:
+                        raise RuntimeError(f"warm-up request failed ({setting}): {warm.error}")
             items = build_workload(args.num_requests, args.seed, args.kinds)
+            loads = [("rate", float(rate)) for rate in args.rates] + [("concurrency", float(c)) for c in
+                                                                     args.concurrency]
             points = []
-            for rate in args.rates:
-                send_times = poisson_arrivals(len(items), rate, args.seed)
-                results, seconds = await run_open_loop(client, model, items, send_times, args.temperature,
-                                                       args.ignore_eos)
-                points.append(_report(summarize(setting, "rate", rate, results, seconds), results))
-            for concurrency in args.concurrency:
-                results, seconds = await run_closed_loop(client, model, items, concurrency, args.temperature,
-                                                         args.ignore_eos)
-                points.append(_report(summarize(setting, "concurrency", concurrency, results, seconds), results))
+            for number, (mode, load) in enumerate(loads):
+                order = list(clients) if number % 2 == 0 else list(reversed(clients))
+                for setting in order:
+                    client, model = clients[setting], models[setting]
+                    if mode == "rate":
+                        send_times = poisson_arrivals(len(items), load, args.seed)
+                        results, seconds = await run_open_loop(client, model, items, send_times, args.temperature,
+                                                               args.ignore_eos)
+                    else:
+                        results, seconds = await run_closed_loop(client, model, items, int(load), args.temperature,
+                                                                 args.ignore_eos)
+                    points.append(_report(summarize(setting, mode, load, results, seconds), results))
             return points
+        finally:
+            for client in clients.values():
+                await client.aclose()
 
     return asyncio.run(main())
 
@@ -278,11 +296,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     points: list[PointStats] = []
     print("  ".join(COLUMNS), flush=True)
     if args.url is not None:
-        points.extend(measure(args.url.rstrip("/"), "server", args))
+        points.extend(measure({"server": args.url.rstrip("/")}, args))
     else:
-        for setting in args.settings:
-            with served(setting, args) as url:
-                points.extend(measure(url, setting, args))
+        with ExitStack() as servers:  # every setting's server up at once; points interleave across them
+            urls = {setting: servers.enter_context(served(setting, args)) for setting in args.settings}
+            points.extend(measure(urls, args))
     table = markdown(points)
     print("\n" + table)
     if args.markdown:

@@ -14,33 +14,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-import torch
-
 from specd.errors import InvalidParameterError, ModelLoadError
 from specd.model.attention import ForwardBatch
 from specd.model.llama import LlamaForCausalLM, build_model
 from specd.model.loader import load_checkpoint
 from specd.model.tokenizer import Tokenizer
 from specd.sampling.penalties import TokenHistory, adjust_logits
-from specd.sampling.processing import build_sampling_batch, logits_to_probs, sample_from_probs
+from specd.sampling.processing import build_sampling_batch, logits_to_probs
+from specd.speculation.drafting import DraftLoop, common_prefix
 from specd.speculation.proposer import Proposal, Proposer, ProposerTraits, SequenceView
 
 if TYPE_CHECKING:
     from specd.config import EngineConfig
-
-
-def _common_prefix(a: list[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    if a[:n] == list(b[:n]):
-        return n
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
-def _stops(view: SequenceView, position: int, top_prob: float) -> bool:
-    return view.draft_stop is not None and view.draft_stop.stop(position, top_prob)
 
 
 class DraftModelProposer(Proposer):
@@ -75,11 +60,10 @@ class DraftModelProposer(Proposer):
         self._cached.pop(seq_id, None)
 
     def propose(self, seqs: Sequence[SequenceView], num_draft_tokens: Sequence[int]) -> Proposal:
+        loop = DraftLoop(seqs, num_draft_tokens)
         active = [i for i, k in enumerate(num_draft_tokens) if k > 0]
-        drafts: list[list[int]] = [[] for _ in seqs]
-        probs_per_seq: list[list[torch.Tensor]] = [[] for _ in seqs]
         if not active:
-            return Proposal(drafts, None)
+            return loop.proposal()
         for i in active:
             if seqs[i].seq_id not in self._slots:
                 self._slots[seqs[i].seq_id] = self.cache.allocate()
@@ -87,12 +71,11 @@ class DraftModelProposer(Proposer):
         active.sort(key=lambda i: self._slots[seqs[i].seq_id])
 
         # First forward: catch up on everything not cached (at least the newest token), ragged.
-        feed: dict[int, list[int]] = {}
-        starts: dict[int, int] = {}
+        feed, starts = loop.feed, loop.starts
         for i in active:
             tokens = seqs[i].token_ids
             cached = self._cached[seqs[i].seq_id]
-            start = min(_common_prefix(cached, tokens), len(tokens) - 1)
+            start = min(common_prefix(cached, tokens), len(tokens) - 1)
             starts[i] = start
             feed[i] = list(tokens[start:])
             self._cached[seqs[i].seq_id] = list(tokens[:start])
@@ -109,37 +92,20 @@ class DraftModelProposer(Proposer):
                 sid = seqs[i].seq_id
                 self._cached[sid].extend(feed[i])
                 self.cache.set_len(self._slots[sid], len(self._cached[sid]))
-            if any(seqs[i].draft_stop is not None for i in active):
-                # Decided before sampling, from the draft's own distribution alone (see the class docstring).
-                top_probs = torch.softmax(logits.float(), dim=-1).amax(dim=-1).tolist()  # [num_active]
-                keep_rows = [row for row, i in enumerate(active) if not _stops(seqs[i], len(drafts[i]), top_probs[row])]
-                active = [active[r] for r in keep_rows]
-                logits = logits[keep_rows]  # [num_kept, vocab_size]
-                if not active:
-                    break
+            active, logits = loop.drop_stopped(active, logits)  # logits: [num_kept, vocab_size]
+            if not active:
+                break
             # The request's penalties and logit_bias shape q as they shape p (counting the drafts so far), so the
             # draft proposes from the distribution the target will verify against.
             logits = adjust_logits(
                 logits, [seqs[i].params for i in active], [1] * len(active),
                 [TokenHistory(seqs[i].token_ids[: seqs[i].num_prompt_tokens],
-                              [*seqs[i].token_ids[seqs[i].num_prompt_tokens :], *drafts[i]]) for i in active],
+                              [*seqs[i].token_ids[seqs[i].num_prompt_tokens :], *loop.drafts[i]]) for i in active],
                 [[] for _ in active],
             )
             sampling = build_sampling_batch([seqs[i].params for i in active], [1] * len(active), logits.device)
-            q = logits_to_probs(logits, sampling)  # [num_active, vocab_size]
-            tokens = sample_from_probs(q, [seqs[i].generator for i in active]).tolist()
-            still: list[int] = []
-            for row, i in enumerate(active):
-                drafts[i].append(tokens[row])
-                probs_per_seq[i].append(q[row])
-                if len(drafts[i]) < num_draft_tokens[i]:
-                    still.append(i)
-                    starts[i] += len(feed[i])
-                    feed[i] = [tokens[row]]
-            active = still
-        rows = [p for per_seq in probs_per_seq for p in per_seq]
-        draft_probs = torch.stack(rows) if rows else None  # [total_drafts, vocab_size]
-        return Proposal(drafts, draft_probs)
+            active = loop.append(active, logits_to_probs(logits, sampling))  # q: [num_active, vocab_size]
+        return loop.proposal()
 
 
 def build_layerskip(config: EngineConfig, target: LlamaForCausalLM, tokenizer: Tokenizer | None) -> DraftModelProposer:

@@ -26,7 +26,8 @@ from specd.errors import ModelLoadError
 from specd.model.attention import ForwardBatch
 from specd.model.draft_head import HEAD_CONFIG_FILE, DraftHead, target_fingerprint
 from specd.model.llama import LlamaForCausalLM
-from specd.sampling.processing import build_sampling_batch, logits_to_probs, sample_from_probs
+from specd.sampling.processing import build_sampling_batch, logits_to_probs
+from specd.speculation.drafting import DraftLoop, common_prefix
 from specd.speculation.proposer import Proposal, Proposer, ProposerTraits, SequenceView
 
 if TYPE_CHECKING:
@@ -69,14 +70,6 @@ class _SeqState:
         self.feature_start += cut
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
 class EagleProposer(Proposer):
     """Drafts with a DraftHead; needs the target's final normed hidden state of every committed position."""
 
@@ -114,18 +107,16 @@ class EagleProposer(Proposer):
         return full
 
     def propose(self, seqs: Sequence[SequenceView], num_draft_tokens: Sequence[int]) -> Proposal:
-        drafts: list[list[int]] = [[] for _ in seqs]
-        probs_per_seq: list[list[torch.Tensor]] = [[] for _ in seqs]
+        loop = DraftLoop(seqs, num_draft_tokens)
         # Catch-up rows per sequence: head rows [start, n) need the target features of positions start-1..n-2.
-        feed: dict[int, list[int]] = {}
-        starts: dict[int, int] = {}
+        feed, starts = loop.feed, loop.starts
         features: dict[int, torch.Tensor] = {}
         for i, k in enumerate(num_draft_tokens):
             if k <= 0:
                 continue
             tokens = seqs[i].token_ids
             state = self._state(seqs[i].seq_id)
-            start = min(_common_prefix(state.rows, tokens), len(tokens) - 1)
+            start = min(common_prefix(state.rows, tokens), len(tokens) - 1)
             rows = state.feature_rows(start - 1, len(tokens) - 1)
             if rows is None:
                 continue  # the target's features of these tokens never came: no draft (the target decodes alone)
@@ -133,7 +124,7 @@ class EagleProposer(Proposer):
             feed[i], starts[i], features[i] = list(tokens[start:]), start, rows
         active = sorted(feed, key=lambda i: self._seqs[seqs[i].seq_id].slot)
         if not active:
-            return Proposal(drafts, None)
+            return loop.proposal()
         self.cache.reserve(max(len(seqs[i].token_ids) + num_draft_tokens[i] for i in active))
         first = True
         while active:
@@ -153,33 +144,12 @@ class EagleProposer(Proposer):
                     state.drop_features_before(len(seqs[i].token_ids) - 1)
                 features[i] = out.hidden[row : row + 1]  # [1, hidden]: the head's own output, fed back
             first = False
-            logits = out.logits  # [num_active, draft_vocab]
-            if any(seqs[i].draft_stop is not None for i in active):
-                # Decided before sampling, from the head's raw distribution alone (see DraftStop).
-                top_probs = torch.softmax(logits.float(), dim=-1).amax(dim=-1).tolist()  # [num_active]
-                kept = [r for r, i in enumerate(active) if not _stops(seqs[i], len(drafts[i]), top_probs[r])]
-                active = [active[r] for r in kept]
-                logits = logits[kept]
-                if not active:
-                    break
+            active, logits = loop.drop_stopped(active, out.logits)  # logits: [num_kept, draft_vocab]
+            if not active:
+                break
             sampling = build_sampling_batch([seqs[i].params for i in active], [1] * len(active), logits.device)
-            q = logits_to_probs(self._full_vocab(logits), sampling)  # [num_active, vocab_size]
-            tokens = sample_from_probs(q, [seqs[i].generator for i in active]).tolist()
-            still: list[int] = []
-            for row, i in enumerate(active):
-                drafts[i].append(tokens[row])
-                probs_per_seq[i].append(q[row])
-                if len(drafts[i]) < num_draft_tokens[i]:
-                    still.append(i)
-                    starts[i] += len(feed[i])
-                    feed[i] = [tokens[row]]
-            active = still
-        rows = [p for per_seq in probs_per_seq for p in per_seq]
-        return Proposal(drafts, torch.stack(rows) if rows else None)
-
-
-def _stops(view: SequenceView, position: int, top_prob: float) -> bool:
-    return view.draft_stop is not None and view.draft_stop.stop(position, top_prob)
+            active = loop.append(active, logits_to_probs(self._full_vocab(logits), sampling))  # q: [n, vocab_size]
+        return loop.proposal()
 
 
 def shipped_heads() -> list[Path]:
