@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -66,6 +67,8 @@ class AttentionMetadata:
     write_positions: torch.Tensor  # [num_tokens] cache position of each new token
     slot_range: tuple[int, int] | None  # (lo, hi) when the batch's slots are lo..hi-1 in order: read a view
     slot_index: torch.Tensor  # [num_seqs] slots, for the gather path
+    seq_starts: torch.Tensor  # [num_seqs] each sequence's first new position (its cached length)
+    cu_num_new: torch.Tensor  # [num_seqs + 1] sequence i's new tokens are flat rows cu[i] .. cu[i + 1] - 1
     kv_len: int  # keys read per sequence (max total length in the batch)
     max_new: int  # padded query length
     pad_index: torch.Tensor | None  # [num_tokens] flat index into [num_seqs * max_new]; None if no padding
@@ -76,12 +79,14 @@ class AttentionMetadata:
     parts: tuple[tuple[torch.Tensor, AttentionMetadata], ...] = ()
 
     @staticmethod
-    def build(batch: ForwardBatch) -> AttentionMetadata:
+    def build(batch: ForwardBatch, masks: bool = True) -> AttentionMetadata:
+        """masks=False: skip the padding index and masks of parts with at most GROUPED_MAX_NEW new tokens per
+        sequence, for a forward whose attention runs the fused kernel there (it reads seq_starts/cu_num_new)."""
         num_new = list(batch.num_new_tokens)
         short = [i for i, n in enumerate(num_new) if n <= GROUPED_MAX_NEW]
         if not short or len(short) == len(num_new):
             return AttentionMetadata._build(list(batch.slot_ids), list(batch.start_positions), num_new,
-                                            batch.positions)
+                                            batch.positions, masks)
         # Padding every sequence to the longest chunk would cost num_seqs x chunk query rows in every layer.
         offsets = [0]
         for n in num_new:
@@ -91,7 +96,7 @@ class AttentionMetadata:
             rows = torch.cat([torch.arange(offsets[i], offsets[i + 1]) for i in members])
             part = AttentionMetadata._build([batch.slot_ids[i] for i in members],
                                             [batch.start_positions[i] for i in members],
-                                            [num_new[i] for i in members], batch.positions[rows])
+                                            [num_new[i] for i in members], batch.positions[rows], masks)
             parts.append((rows, part))
         # The whole batch's metadata serves only write_kv (one indexed copy); attention reads the parts, so the
         # padded whole-batch mask is never built.
@@ -101,6 +106,8 @@ class AttentionMetadata:
             write_positions=batch.positions,
             slot_range=None,
             slot_index=slots,
+            seq_starts=torch.tensor(list(batch.start_positions), dtype=torch.long),
+            cu_num_new=torch.tensor(offsets, dtype=torch.long),
             kv_len=max(s + n for s, n in zip(batch.start_positions, num_new)),
             max_new=max(num_new),
             pad_index=None,
@@ -110,9 +117,14 @@ class AttentionMetadata:
         )
 
     @staticmethod
-    def _build(slots: list[int], starts: list[int], num_new: list[int], positions: torch.Tensor) -> AttentionMetadata:
+    def _build(slots: list[int], starts: list[int], num_new: list[int], positions: torch.Tensor,
+               masks: bool = True) -> AttentionMetadata:
         num_seqs = len(slots)
         max_new = max(num_new)
+        masks = masks or max_new > GROUPED_MAX_NEW  # scaled_dot_product_attention's parts always need them
+        cu_num_new = [0]
+        for n in num_new:
+            cu_num_new.append(cu_num_new[-1] + n)
         totals = [s + n for s, n in zip(starts, num_new)]
         kv_len = max(totals)
         write_slots = torch.repeat_interleave(
@@ -121,12 +133,12 @@ class AttentionMetadata:
         lo = slots[0]
         contiguous = slots == list(range(lo, lo + num_seqs))
         pad_index: torch.Tensor | None = None
-        if max_new > 1 and any(n != max_new for n in num_new):
+        if masks and max_new > 1 and any(n != max_new for n in num_new):
             pad_index = torch.cat(
                 [torch.arange(i * max_new, i * max_new + n) for i, n in enumerate(num_new)]
             )
         mask: torch.Tensor | None = None
-        if max_new > 1 or any(t != kv_len for t in totals):
+        if masks and (max_new > 1 or any(t != kv_len for t in totals)):
             key_pos = torch.arange(kv_len)  # [kv_len]
             query_pos = torch.tensor(starts).unsqueeze(1) + torch.arange(max_new).unsqueeze(0)  # [num_seqs, max_new]
             # Padded query rows (t >= n_i) get query_pos past the end; they attend to a valid prefix and are
@@ -142,6 +154,8 @@ class AttentionMetadata:
             write_positions=positions,
             slot_range=(lo, lo + num_seqs) if contiguous else None,
             slot_index=torch.tensor(slots, dtype=torch.long),
+            seq_starts=torch.tensor(starts, dtype=torch.long),
+            cu_num_new=torch.tensor(cu_num_new, dtype=torch.long),
             kv_len=kv_len,
             max_new=max_new,
             pad_index=pad_index,
@@ -196,15 +210,22 @@ def attend(
     layer: int,
     meta: AttentionMetadata,
     scale: float | None = None,
+    fused: ModuleType | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
     """Attention of the new tokens over each sequence's cached prefix, their own keys included (so `write_kv`
-    comes first). scale: the softmax scale, head_dim ** -0.5 when None; 1.0 for queries already scaled."""
+    comes first). scale: the softmax scale, head_dim ** -0.5 when None; 1.0 for queries already scaled.
+    fused: specd.kernels.fused's ops (bfloat16): sequences with at most GROUPED_MAX_NEW new tokens then attend in
+    one call, each query row over exactly its own keys (no padding, no mask)."""
     if meta.parts:
         num_tokens, num_heads, head_dim = query.shape
         out = query.new_empty(num_tokens, num_heads * head_dim)
         for rows, part in meta.parts:
-            out[rows] = attend(query[rows], cache, layer, part, scale)
+            out[rows] = attend(query[rows], cache, layer, part, scale, fused)
         return out
+    if fused is not None and meta.max_new <= GROUPED_MAX_NEW:
+        softmax_scale = query.shape[-1] ** -0.5 if scale is None else scale
+        return fused.attention(query, cache.kv[layer], meta.slot_index, meta.seq_starts, meta.cu_num_new,
+                               softmax_scale)
     k_cache = cache.keys[layer]  # [num_slots, num_kv_heads, capacity, head_dim]
     v_cache = cache.values[layer]
     if meta.slot_range is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from types import ModuleType
 from typing import NamedTuple
 
 import torch
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import specd.kernels as kernels
+import specd.kernels.fused as fused_kernels
 from specd.errors import ModelLoadError
 from specd.kernels.blockquant import Q4Weight, Q8Weight, fits, quantize_q4, quantize_q8
 from specd.model.attention import AttentionMetadata, ForwardBatch, attend, write_kv
@@ -281,6 +283,9 @@ class DecoderLayer(nn.Module):
         cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
+        fused = fused_kernels.for_dtype(hidden.dtype)
+        if fused is not None:
+            return self._forward_fused(fused, hidden, rope, cache, meta)
         num_tokens, num_qk_heads = hidden.shape[0], self.num_heads + self.num_kv_heads
         qkv = self.qkv_proj(self.input_layernorm(hidden))  # [num_tokens, q_size + 2 * kv_size]
         heads = qkv.view(num_tokens, num_qk_heads + self.num_kv_heads, self.head_dim)  # q heads, k heads, v heads
@@ -296,6 +301,29 @@ class DecoderLayer(nn.Module):
         hidden = hidden + self.o_proj(attn)
         gate, up = self.gate_up_proj(self.post_attention_layernorm(hidden)).chunk(2, dim=-1)
         return hidden + self.down_proj(F.silu(gate) * up)
+
+    def _forward_fused(
+        self,
+        fused: ModuleType,  # specd.kernels.fused's ops
+        hidden: torch.Tensor,  # [num_tokens, hidden_size] bfloat16
+        rope: tuple[torch.Tensor, torch.Tensor],
+        cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, hidden_size]
+        """`forward` in six native calls besides the four GEMMs: norm; rotary + KV write; attention; residual
+        add + norm; SiLU x up; and the last residual add (torch's). Same roundings as the torch path."""
+        num_tokens, num_qk_heads = hidden.shape[0], self.num_heads + self.num_kv_heads
+        eps = self.input_layernorm.eps
+        qkv = self.qkv_proj(fused.rms_norm(hidden, self.input_layernorm.weight, eps))
+        heads = qkv.view(num_tokens, num_qk_heads + self.num_kv_heads, self.head_dim)  # q heads, k heads, v heads
+        if self.q_norm is not None and self.k_norm is not None:
+            qk = heads[:, :num_qk_heads]
+            heads[:, :num_qk_heads] = torch.cat([self.q_norm(qk[:, : self.num_heads]),
+                                                 self.k_norm(qk[:, self.num_heads :])], dim=1)
+        fused.rope_write_kv(heads, rope[0], rope[1], cache.kv[self.index], meta.write_slots, meta.write_positions)
+        attn = attend(heads[:, : self.num_heads], cache, self.index, meta, scale=1.0, fused=fused)
+        hidden, normed = fused.add_rms_norm(hidden, self.o_proj(attn), self.post_attention_layernorm.weight, eps)
+        return hidden + self.down_proj(fused.silu_mul(self.gate_up_proj(normed)))
 
 
 class ForwardOutput(NamedTuple):
@@ -376,7 +404,8 @@ class LlamaForCausalLM(nn.Module):
         that the LM head reads (EAGLE-1's feature; EAGLE-3 fuses a low, a middle and a high layer). None (the
         default) computes none of them, so callers that don't need features pay nothing.
         """
-        meta = AttentionMetadata.build(batch)
+        # The fused attention needs no padding index or masks for decode and verification rows.
+        meta = AttentionMetadata.build(batch, masks=fused_kernels.for_dtype(self.dtype) is None)
         hidden = self.embed_tokens(batch.token_ids)  # [num_tokens, hidden_size]
         rope = self.rotary.tables(batch.positions, hidden.dtype)
         layers = self.layers if num_layers is None else self.layers[:num_layers]
