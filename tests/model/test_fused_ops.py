@@ -175,8 +175,10 @@ def test_bad_arguments_name_the_field(fused):
                             torch.tensor([1]))
 
 
-def test_a_bfloat16_model_with_the_fused_ops_is_as_close_to_float32_as_without(fused, monkeypatch):
-    cfg = tiny_hf_config_dict()
+@pytest.mark.parametrize(("model_type", "overrides"), [("llama", {}), ("qwen2", {}), ("qwen3", {"head_dim": 16})])
+def test_a_bfloat16_model_with_the_fused_ops_is_as_close_to_float32_as_without(fused, monkeypatch, model_type,
+                                                                              overrides):
+    cfg = tiny_hf_config_dict(model_type, **overrides)  # qwen2: q/k/v biases; qwen3: q/k norms before rotary
     models = {dtype: tiny_specd_model(cfg, seed=3, dtype=dtype) for dtype in (torch.bfloat16, torch.float32)}
 
     def run(model):
