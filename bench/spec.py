@@ -105,9 +105,9 @@ class Row:
     speedup: float  # over plain decoding of the same engine, kind and batch, measured in the same run
     match: float  # share of requests with the same token ids as plain decoding
     acceptance_rate: float | None = None  # A / T
-    mean_accepted_length: float | None = None  # A / D
+    accepted_tokens_per_draft: float | None = None  # A / D
     tau: float | None = None  # 1 + A / D
-    tokens_per_forward: float | None = None  # emitted tokens / target-forward sequence-steps
+    tokens_per_forward: float | None = None  # emitted tokens / target forwards (steps)
 
 
 def settings_for(args: argparse.Namespace) -> list[Setting]:
@@ -192,7 +192,7 @@ def make_row(engine: str, kind: str, batch: int, setting: Setting, run: Run, pla
         engine, kind, batch, setting.method, setting.k, setting.policy, run.num_tokens, run.seconds, rate,
         rate / plain_rate, match_rate(run, plain),
         derived.get("acceptance_rate_pooled"),
-        derived.get("mean_accepted_length_pooled"),
+        derived.get("accepted_tokens_per_draft_pooled"),
         derived.get("mean_acceptance_length_pooled"),
         derived.get("tokens_per_target_forward_pooled"),
     )
@@ -241,7 +241,7 @@ def table(rows: list[Row]) -> str:
                "tok/fwd", "tokens"]
     return markdown_table(headers, [
         [r.kind, r.batch, r.method if r.engine == "specd" else f"hf {r.method}", r.k or "-", r.policy,
-         r.tokens_per_s, r.speedup, r.match, fmt(r.acceptance_rate), fmt(r.mean_accepted_length), fmt(r.tau),
+         r.tokens_per_s, r.speedup, r.match, fmt(r.acceptance_rate), fmt(r.accepted_tokens_per_draft), fmt(r.tau),
          fmt(r.tokens_per_forward), r.tokens]
         for r in rows
     ])

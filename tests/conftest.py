@@ -51,13 +51,15 @@ def _pooled_from_counters(c: dict[str, Any]) -> dict[str, Any]:
     mean_accepted = _ratio(c["accepted_tokens"], c["drafts"])
     return {
         "acceptance_rate_pooled": _ratio(c["accepted_tokens"], c["draft_tokens"]),
-        "mean_accepted_length_pooled": mean_accepted,
+        "accepted_tokens_per_draft_pooled": mean_accepted,
+        "mean_accepted_length_pooled": mean_accepted,  # the deprecated alias
         "mean_acceptance_length_pooled": None if mean_accepted is None else 1.0 + mean_accepted,
         "emitted_per_draft_pooled": _ratio(c["emitted_tokens"], c["drafts"]),
         "mean_proposed_length_pooled": _ratio(c["draft_tokens"], c["drafts"]),
-        "tokens_per_target_forward_pooled": _ratio(
+        "tokens_per_seq_step_pooled": _ratio(
             c["emitted_tokens"] + c["nonspec_tokens"], c["drafts"] + c["nonspec_seq_steps"]
         ),
+        "tokens_per_target_forward_pooled": _ratio(c["emitted_tokens"] + c["nonspec_tokens"], c["steps"]),
         "per_position_acceptance_pooled": [_ratio(a, d) for a, d in zip(c["accepted_at"], c["drafted_at"])],
         "conditional_acceptance_pooled": [_ratio(a, r) for a, r in zip(c["accepted_at"], c["reached_at"])],
     }

@@ -54,6 +54,8 @@ LOG_COUNTERS = {
 # Log-line key -> get_metrics() pooled derived name.
 LOG_DERIVED = {
     "acceptance_rate": "acceptance_rate_pooled", "mean_accepted_len": "mean_accepted_length_pooled",
+    "accepted_tokens_per_draft": "accepted_tokens_per_draft_pooled",
+    "tokens_per_seq_step": "tokens_per_seq_step_pooled",
     "tau": "mean_acceptance_length_pooled", "emitted_per_draft": "emitted_per_draft_pooled",
     "mean_proposed_len": "mean_proposed_length_pooled", "tokens_per_forward": "tokens_per_target_forward_pooled",
 }
@@ -473,3 +475,22 @@ def test_goodput_cuts_and_disabled_requests_are_counted(bigram_model, tokenizer)
     assert c["nonspec_by_cause"]["disabled"] == 4  # the speculation-off request's 5 tokens, the first from prefill
     off_stats = outs[2].spec_stats.counters
     assert off_stats.nonspec_by_cause[K0_CAUSES.index("disabled")] == 4 and off_stats.proposed_tokens == 0
+
+
+def test_wasted_work_is_recounted_from_the_trace_lines(run: Run) -> None:
+    """rejected = T - A and tokens computed past a stop = Σ (a_i + 1 - e_i), recounted from the trace's (k, a, e)
+    with plain loops; the stop token inside an accepted run makes the second one non-zero."""
+    records = [r for r in read_trace(run.trace_path) if isinstance(r, TraceRecord)]
+    rejected = sum(r.k - r.accepted for r in records)
+    past_stop = sum(r.accepted + 1 - r.emitted for r in records)
+    c = run.metrics["counters"]
+    assert (c["rejected_tokens"], c["past_stop_tokens"]) == (rejected, past_stop)
+    assert rejected > 0 and past_stop > 0
+    labels = (("model", MODEL_LABEL), ("proposer", "ngram"))
+    assert run.prometheus["specd_spec_decode_rejected_tokens_total"][labels] == rejected
+    assert run.prometheus["specd_spec_decode_past_stop_tokens_total"][labels] == past_stop
+    assert sum(line["rejected"] for line in run.log_lines) == rejected
+    assert sum(line["past_stop"] for line in run.log_lines) == past_stop
+    # ngram looks drafts up: no draft-model forward anywhere.
+    assert c["draft_forwards"] == c["draft_tokens_computed"] == 0
+    assert run.prometheus["specd_spec_decode_draft_forwards_total"][labels] == 0

@@ -44,16 +44,17 @@ def test_worked_example_derived_values_and_where_naive_formulas_fail() -> None:
     snapshot = worked_example().snapshot()
     c = snapshot.counters
     assert c.acceptance_rate == pytest.approx(0.4)
-    assert c.mean_accepted_length == pytest.approx(1.0)
+    assert c.accepted_tokens_per_draft == pytest.approx(1.0)
     assert c.mean_acceptance_length == pytest.approx(2.0)
     assert c.emitted_per_draft == pytest.approx(1.75)  # < tau: stop truncation ate a bonus token
     assert c.mean_proposed_length == pytest.approx(2.5)
-    assert c.tokens_per_target_forward == pytest.approx(1.6)
+    assert c.tokens_per_seq_step == pytest.approx(1.6)  # 8 tokens over 5 sequence-steps
+    assert snapshot.tokens_per_target_forward == pytest.approx(8 / 3)  # over 3 forwards (steps)
     # Naive A/D from the configured k: k_max * A/T = 1.6, but the true A/D is 1.0.
     assert c.k_max * c.acceptance_rate == pytest.approx(1.6)
-    assert c.k_max * c.acceptance_rate != pytest.approx(c.mean_accepted_length)
+    assert c.k_max * c.acceptance_rate != pytest.approx(c.accepted_tokens_per_draft)
     # It only works with the mean proposed length T/D, which is not a configured k.
-    assert c.mean_proposed_length * c.acceptance_rate == pytest.approx(c.mean_accepted_length)
+    assert c.mean_proposed_length * c.acceptance_rate == pytest.approx(c.accepted_tokens_per_draft)
     # Per position: dividing by all drafts understates position 2 (two drafts never proposed it).
     assert c.per_position_acceptance == pytest.approx((0.75, 0.5, 0.0, 0.0))
     assert [a / c.drafts for a in c.accepted_at] == pytest.approx([0.75, 0.25, 0.0, 0.0])
@@ -63,7 +64,7 @@ def test_worked_example_derived_values_and_where_naive_formulas_fail() -> None:
     assert snapshot.acceptance_rate_pooled == pytest.approx(0.4)
     assert snapshot.acceptance_rate_mean_per_request == pytest.approx((1.0 + 0.25) / 2)
     assert snapshot.mean_acceptance_length_mean_per_request == pytest.approx(2.0)
-    assert snapshot.per_request.mean("tokens_per_target_forward") == pytest.approx((1.5 + 5 / 3) / 2)
+    assert snapshot.per_request.mean("tokens_per_seq_step") == pytest.approx((1.5 + 5 / 3) / 2)
     assert snapshot.step_totals.steps == 3 and snapshot.step_totals.spec_steps == 2
 
 
@@ -84,7 +85,7 @@ def test_nothing_drafted_gives_none_everywhere_not_zero() -> None:
     assert c.drafts == 0 and c.nonspec_seq_steps == 2
     for value in (
         c.acceptance_rate,
-        c.mean_accepted_length,
+        c.accepted_tokens_per_draft,
         c.mean_acceptance_length,
         c.emitted_per_draft,
         c.mean_proposed_length,
@@ -92,10 +93,12 @@ def test_nothing_drafted_gives_none_everywhere_not_zero() -> None:
         *c.conditional_acceptance,
     ):
         assert value is None
-    assert c.tokens_per_target_forward == 1.0  # speculation off still has a tokens-per-forward figure
+    assert c.tokens_per_seq_step == 1.0  # speculation off still has a tokens-per-sequence-step figure
+    assert recorder.snapshot().tokens_per_target_forward == 2.0  # two sequences share the one forward
     assert recorder.snapshot().step_totals.spec_steps == 0
     empty = SpecCounters.zero(3)
-    assert empty.tokens_per_target_forward is None
+    assert empty.tokens_per_seq_step is None
+    assert SpecStatsRecorder(k_max=3).snapshot().tokens_per_target_forward is None
 
 
 def test_eos_inside_accepted_run_counts_verifier_acceptance_and_emitted_tokens_separately() -> None:
@@ -217,3 +220,19 @@ def test_non_contiguous_transposed_tensor_is_accepted() -> None:
     rows = torch.tensor([[2, 2, 3], [0, 0, 1]], dtype=torch.long)  # [num_seqs, 3] as the engine builds it
     recorder.record_step(["a", "b"], rows.T, TIMES)
     assert recorder.snapshot().counters.accepted_tokens == 2
+
+
+def test_deprecated_aliases_equal_their_new_keys() -> None:
+    """mean_accepted_length (A / D) is kept one release beside accepted_tokens_per_draft, always equal."""
+    snapshot = worked_example().snapshot()
+    derived = snapshot.to_dict()["derived"]
+    for suffix in ("pooled", "mean_per_request"):
+        assert derived[f"accepted_tokens_per_draft_{suffix}"] is not None
+        assert derived[f"mean_accepted_length_{suffix}"] == derived[f"accepted_tokens_per_draft_{suffix}"]
+    assert derived["mean_accepted_length_pooled"] == pytest.approx(1.0)
+    recorder = SpecStatsRecorder(k_max=4)
+    recorder.record_step(["Y"], counts((4, 0, 1)), TIMES)
+    recorder.record_step(["Y"], counts((4, 1, 2)), TIMES)
+    request = recorder.finish_request("Y")
+    assert request.to_dict()["derived"]["mean_accepted_length"] == request.accepted_tokens_per_draft == 0.5
+    assert request.mean_accepted_length == request.accepted_tokens_per_draft

@@ -34,6 +34,7 @@ class Step:
     rows: list[tuple[int, int, int]]  # (k, a, e) per sequence
     drafting: list[tuple[int, int, K0Cause]]  # (proposed p >= k, grammar cut g <= p - k, k = 0 cause) per sequence
     times: StepPhaseTimes
+    draft_work: tuple[int, int]  # (draft-model forwards, draft positions computed) of the step
     finish_after: list[str]
     take_interval_after: bool
 
@@ -69,7 +70,8 @@ def scenarios(draw: Any, fixed_k: bool = False) -> Scenario:
         times = StepPhaseTimes(*(draw(st.floats(0, 0.5, allow_nan=False)) for _ in range(3)))
         finish = draw(st.lists(st.sampled_from(live), max_size=2, unique=True))
         live = [request_id for request_id in live if request_id not in finish]
-        steps.append(Step(batch, rows, drafting, times, finish, draw(st.booleans())))
+        draft_work = (draw(st.integers(0, k_max)), draw(st.integers(0, 3 * k_max)))
+        steps.append(Step(batch, rows, drafting, times, draft_work, finish, draw(st.booleans())))
     if live:
         steps[-1].finish_after.extend(live)
     return Scenario(k_max, k_fixed, steps)
@@ -99,6 +101,7 @@ def run(scenario: Scenario) -> Run:
                 recorder.record_step(
                     step.request_ids, counts, step.times, num_proposed=[p for p, _, _ in step.drafting],
                     num_grammar_cut=[g for _, g, _ in step.drafting], k0_causes=[c for _, _, c in step.drafting],
+                    num_draft_forwards=step.draft_work[0], num_computed_draft_tokens=step.draft_work[1],
                 )
                 rows += [(index, rid, *row) for rid, row in zip(step.request_ids, step.rows)]
                 drafting += step.drafting
@@ -131,6 +134,8 @@ def brute_force(
         "emitted_tokens": sum(e for _, _, e in drafts),
         "nonspec_seq_steps": sum(1 for _, _, k, _, _ in rows if k == 0),
         "nonspec_tokens": sum(e for _, _, k, _, e in rows if k == 0),
+        "rejected_tokens": sum(k - a for _, _, k, a, _ in rows),
+        "past_stop_tokens": sum(a + 1 - e for _, _, _, a, e in rows),
         "target_forward_seq_steps": len(rows),
         "drafted_at": [sum(1 for k, _, _ in drafts if k >= j) for j in positions],
         "reached_at": [sum(1 for k, a, _ in drafts if k >= j and a >= j - 1) for j in positions],
@@ -159,6 +164,8 @@ def test_counters_equal_brute_force_recount(scenario: Scenario) -> None:
     assert snapshot.step_totals.steps == len(scenario.steps)
     assert snapshot.step_totals.spec_steps == sum(1 for s in scenario.steps if any(k for k, _, _ in s.rows))
     assert snapshot.step_totals.verify_s == pytest.approx(sum(s.times.verify_s for s in scenario.steps))
+    assert snapshot.step_totals.draft_forwards == sum(s.draft_work[0] for s in scenario.steps)
+    assert snapshot.step_totals.draft_tokens_computed == sum(s.draft_work[1] for s in scenario.steps)
     # Every request's counters match a brute force over its own rows.
     for request_id, stats in result.finished.items():
         mine = [index for index, row in enumerate(result.rows) if row[1] == request_id]
@@ -176,8 +183,9 @@ def test_invariants(scenario: Scenario) -> None:
     assert counters.emitted_tokens <= counters.accepted_tokens + counters.drafts
     if counters.drafts:
         assert 0 <= Fraction(counters.accepted_tokens, counters.drafts) <= k_max
-        assert counters.mean_accepted_length is not None and 0.0 <= counters.mean_accepted_length <= k_max
-        assert counters.mean_acceptance_length == pytest.approx(1.0 + counters.mean_accepted_length)
+        assert counters.accepted_tokens_per_draft is not None and 0.0 <= counters.accepted_tokens_per_draft <= k_max
+        assert counters.mean_acceptance_length == pytest.approx(1.0 + counters.accepted_tokens_per_draft)
+        assert counters.mean_accepted_length == counters.accepted_tokens_per_draft  # the deprecated alias
     else:
         assert counters.acceptance_rate is None and counters.mean_acceptance_length is None
     assert all(x >= y for x, y in zip(counters.accepted_at, counters.accepted_at[1:]))
@@ -242,6 +250,8 @@ def test_trace_recount_equals_recorder(scenario: Scenario) -> None:
     assert traced.counters == recorded.counters
     assert traced.step_totals.steps == recorded.step_totals.steps
     assert traced.step_totals.spec_steps == recorded.step_totals.spec_steps
+    assert traced.step_totals.draft_forwards == recorded.step_totals.draft_forwards
+    assert traced.step_totals.draft_tokens_computed == recorded.step_totals.draft_tokens_computed
     assert traced.step_totals.sample_s == pytest.approx(recorded.step_totals.sample_s)
     assert traced.per_request.finished_requests == recorded.per_request.finished_requests
     assert traced.per_request.counts == recorded.per_request.counts
@@ -271,9 +281,11 @@ def test_log_line_parses_back_to_interval_snapshot(scenario: Scenario) -> None:
         assert parsed["finished_requests"] == interval.per_request.finished_requests
         for key, value in (
             ("acceptance_rate", counters.acceptance_rate),
-            ("mean_accepted_len", counters.mean_accepted_length),
+            ("accepted_tokens_per_draft", counters.accepted_tokens_per_draft),
+            ("mean_accepted_len", counters.accepted_tokens_per_draft),
             ("tau", counters.mean_acceptance_length),
-            ("tokens_per_forward", counters.tokens_per_target_forward),
+            ("tokens_per_forward", interval.tokens_per_target_forward),
+            ("tokens_per_seq_step", counters.tokens_per_seq_step),
             ("tau_mean_per_request", interval.mean_acceptance_length_mean_per_request),
         ):
             # The line prints 4 decimals: up to 5e-5 off, plus float rounding of the half-way case.
@@ -289,6 +301,10 @@ def test_log_line_parses_back_to_interval_snapshot(scenario: Scenario) -> None:
         assert parsed["proposed"] == counters.proposed_tokens
         assert parsed["cut_policy"] == counters.cut_policy_tokens
         assert parsed["cut_grammar"] == counters.cut_grammar_tokens
+        assert parsed["rejected"] == counters.rejected_tokens
+        assert parsed["past_stop"] == counters.past_stop_tokens
+        assert parsed["draft_forwards"] == interval.step_totals.draft_forwards
+        assert parsed["draft_tokens_computed"] == interval.step_totals.draft_tokens_computed
         assert [parsed[f"k0_{cause}"] for cause in K0_CAUSES] == list(counters.nonspec_by_cause)
 
 
@@ -322,6 +338,10 @@ def test_prometheus_exposition_equals_counters(scenario: Scenario) -> None:
         ("nonspec_seq_steps", counters.nonspec_seq_steps),
         ("nonspec_tokens", counters.nonspec_tokens),
         ("proposed_tokens", counters.proposed_tokens),
+        ("rejected_tokens", counters.rejected_tokens),
+        ("past_stop_tokens", counters.past_stop_tokens),
+        ("draft_forwards", snapshot.step_totals.draft_forwards),
+        ("draft_tokens_computed", snapshot.step_totals.draft_tokens_computed),
     ):
         assert value(f"specd_spec_decode_{name}_total", ours) == expected, name
     assert value("specd_spec_decode_cut_tokens_total", ours | {("cause", "policy")}) == counters.cut_policy_tokens

@@ -54,7 +54,8 @@ def test_log_line_shape_and_exact_parse() -> None:
     line = format_log_line(recorder.take_interval(), interval_s=10.0)
     assert line.startswith(PREFIX) and "\n" not in line
     assert "drafts=4 draft_tokens=10 accepted=4 emitted=7" in line
-    assert "acceptance_rate=0.4000 mean_accepted_len=1.0000 tau=2.0000" in line
+    assert "acceptance_rate=0.4000 accepted_tokens_per_draft=1.0000 mean_accepted_len=1.0000 tau=2.0000" in line
+    assert "tokens_per_forward=2.6667 tokens_per_seq_step=1.6000" in line
     assert "per_position_acceptance=[0.7500,0.5000,0.0000,0.0000] conditional=[0.7500,1.0000,0.0000,n/a]" in line
     parsed = parse_log_line("INFO 12:00:00 engine.py:88] " + line)  # logger prefixes are skipped
     assert parsed["accepted_at"] == [3, 1, 0, 0]

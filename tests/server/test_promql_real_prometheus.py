@@ -190,10 +190,11 @@ def _expected_scalars(metrics: dict[str, Any]) -> dict[str, float]:
     return {
         "acceptance rate": _ratio(c["accepted_tokens"], c["draft_tokens"]),
         "tau": 1 + _ratio(c["accepted_tokens"], c["drafts"]),
-        "mean accepted length": _ratio(c["accepted_tokens"], c["drafts"]),
+        "accepted tokens per draft": _ratio(c["accepted_tokens"], c["drafts"]),
         "mean proposed length": _ratio(c["draft_tokens"], c["drafts"]),
         "emitted per draft": _ratio(c["emitted_tokens"], c["drafts"]),
-        "tokens per target forward": _ratio(
+        "tokens per target forward": _ratio(c["emitted_tokens"] + c["nonspec_tokens"], c["steps"]),
+        "tokens per sequence-step": _ratio(
             c["emitted_tokens"] + c["nonspec_tokens"], c["drafts"] + c["nonspec_seq_steps"]
         ),
         "share of steps that speculated": _ratio(c["spec_steps"], c["steps"]),
@@ -315,8 +316,8 @@ PANEL_QUANTITIES = {
 
 
 def _panel_quantity(title: str, expr: str) -> str:
-    if title.startswith("Mean accepted length"):
-        return "mean proposed length" if "draft_tokens_total" in expr.split("/")[0] else "mean accepted length"
+    if title.startswith("Accepted tokens per draft"):
+        return "mean proposed length" if "draft_tokens_total" in expr.split("/")[0] else "accepted tokens per draft"
     if title.startswith("Emitted per draft"):
         return "tokens per target forward" if "nonspec" in expr else "emitted per draft"
     if title.startswith("Draft and accepted token throughput"):

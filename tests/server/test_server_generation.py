@@ -35,7 +35,8 @@ def test_completions_sync_equal_generate(spec_server, reference):
         assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
         spec = usage.model_extra["speculative_decoding"]
         assert set(spec) >= {"drafts", "draft_tokens", "accepted_tokens", "acceptance_rate",
-                             "mean_accepted_length", "mean_acceptance_length"}
+                             "accepted_tokens_per_draft", "mean_accepted_length", "mean_acceptance_length"}
+        assert spec["mean_accepted_length"] == spec["accepted_tokens_per_draft"]  # the deprecated alias
     # A list of prompts: one choice per prompt, in order.
     out = client.completions.create(model=spec_server.model, prompt=PROMPTS[:3], max_tokens=MAX_TOKENS, temperature=0)
     assert [c.index for c in out.choices] == [0, 1, 2]

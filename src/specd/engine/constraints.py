@@ -61,7 +61,7 @@ class Constraints:
         for sid, draft in drafts.token_ids.items():
             grammar = seqs[sid].grammar
             cut[sid] = draft if grammar is None else draft[: grammar.valid_prefix(draft)]
-        return Drafts(cut, None, drafts.buckets)
+        return Drafts(cut, None, drafts.buckets, drafts.num_forwards, drafts.num_computed_tokens)
 
     @staticmethod
     def mask(

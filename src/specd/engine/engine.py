@@ -70,6 +70,8 @@ class _StepProgress:
     schedule_k0_causes: dict[int, K0Cause] = field(default_factory=dict)
     num_proposed: dict[int, int] = field(default_factory=dict)
     num_kept: dict[int, int] = field(default_factory=dict)
+    num_draft_forwards: int = 0  # what drafting cost, as the proposer reported it
+    num_computed_draft_tokens: int = 0
     proposed: float = 0.0
     forward_done: float = 0.0
     verified: float = 0.0
@@ -256,6 +258,8 @@ class LLMEngine:
     def _run(self, scheduled: list[ScheduledSeq], progress: _StepProgress) -> None:
         drafts = self.speculator.propose(scheduled)
         progress.num_proposed = {sid: len(d) for sid, d in drafts.token_ids.items()}
+        progress.num_draft_forwards = drafts.num_forwards
+        progress.num_computed_draft_tokens = drafts.num_computed_tokens
         drafts = self.speculator.plan(scheduled, drafts, self.config.max_num_batched_tokens)
         progress.num_kept = {sid: len(d) for sid, d in drafts.token_ids.items()}
         drafts = self.constraints.cut_drafts({w.seq.seq_id: w.seq for w in scheduled}, drafts)
@@ -360,6 +364,8 @@ class LLMEngine:
             num_proposed,
             [progress.num_kept.get(done.seq.seq_id, 0) - done.outcome.num_drafted for done in committed],
             [_k0_cause(done, progress) for done in committed],
+            progress.num_draft_forwards,
+            progress.num_computed_draft_tokens,
         )
 
     # ------------------------------------------------------------- helpers

@@ -31,6 +31,8 @@ class Drafts:
     token_ids: dict[int, list[int]]  # seq_id -> drafts (decoding sequences that were given k_i > 0)
     probs: torch.Tensor | None  # [total_drafts, vocab_size] in token_ids order, or None: deterministic drafts
     buckets: dict[int, int]  # seq_id -> the proposer's own class of its draft (0 when it gives none)
+    num_forwards: int = 0  # drafting cost as the proposer reported it (Proposal.num_draft_forwards)
+    num_computed_tokens: int = 0  # and Proposal.num_computed_draft_tokens
 
 
 NO_DRAFTS = Drafts({}, None, {})
@@ -143,7 +145,14 @@ class Speculator:
         buckets = proposal.draft_buckets if proposal.draft_buckets is not None else [0] * len(decoding)
         if len(buckets) != len(decoding):
             raise RuntimeError(f"proposer {name} returned {len(buckets)} draft buckets for {len(decoding)} sequences")
-        return Drafts(token_ids, proposal.draft_probs, {w.seq.seq_id: b for w, b in zip(decoding, buckets)})
+        for field_name in ("num_draft_forwards", "num_computed_draft_tokens"):
+            value = getattr(proposal, field_name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise RuntimeError(f"proposer {name} returned {field_name} = {value!r}; expected an integer >= 0")
+        return Drafts(
+            token_ids, proposal.draft_probs, {w.seq.seq_id: b for w, b in zip(decoding, buckets)},
+            proposal.num_draft_forwards, proposal.num_computed_draft_tokens,
+        )
 
     def plan(self, scheduled: Seq[ScheduledSeq], drafts: Drafts, max_num_batched_tokens: int) -> Drafts:
         """Each policy keeps a prefix of its sequences' drafts, seeing the whole step."""
@@ -173,7 +182,7 @@ class Speculator:
                 offset += len(d)
             if len(rows) < offset:
                 probs = probs[torch.tensor(rows, dtype=torch.long)]  # [num_kept_drafts, vocab_size]
-        return Drafts(token_ids, probs, drafts.buckets)
+        return Drafts(token_ids, probs, drafts.buckets, drafts.num_forwards, drafts.num_computed_tokens)
 
     def observe_hidden_states(
         self, scheduled: Seq[ScheduledSeq], run: RunOutput, num_emitted: dict[int, int]

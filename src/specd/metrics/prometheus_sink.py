@@ -65,6 +65,8 @@ class PrometheusSink:
         self._spec_steps = 0
         self._prefill_steps = 0
         self._prefill_tokens = 0
+        self._draft_forwards = 0
+        self._draft_tokens_computed = 0
         self._speedup_decode_s = 0.0
         self._speedup_plain_decode_s = 0.0
 
@@ -109,6 +111,8 @@ class PrometheusSink:
                 self._prefill_tokens += record.num_prefill_tokens
             self._speedup_decode_s += record.speedup_decode_s
             self._speedup_plain_decode_s += record.speedup_plain_decode_s
+            self._draft_forwards += record.num_draft_forwards
+            self._draft_tokens_computed += record.num_computed_draft_tokens
         self._propose.observe(record.times.propose_s)
         self._verify.observe(record.times.verify_s)
         self._sample.observe(record.times.sample_s)
@@ -136,6 +140,7 @@ class PrometheusSink:
             steps, spec_steps = self._steps, self._spec_steps
             prefill_steps, prefill_tokens = self._prefill_steps, self._prefill_tokens
             speedup_decode_s, speedup_plain_decode_s = self._speedup_decode_s, self._speedup_plain_decode_s
+            draft_forwards, draft_tokens_computed = self._draft_forwards, self._draft_tokens_computed
         sink_errors = self._recorder.sink_errors
         names, values = list(self._labels), list(self._labels.values())
 
@@ -185,6 +190,24 @@ class PrometheusSink:
             "proposed_tokens",
             "Draft tokens the proposer produced, before the k policy or a grammar cut any (= verified + cut).",
             counters.proposed_tokens,
+        )
+        yield counter(
+            "rejected_tokens", "Verified draft tokens the verifier rejected (draft_tokens - accepted_tokens).",
+            counters.rejected_tokens,
+        )
+        yield counter(
+            "past_stop_tokens",
+            "Tokens computed and kept by the verifier, then thrown away by a stop token/string or max_tokens.",
+            counters.past_stop_tokens,
+        )
+        yield counter(
+            "draft_forwards", "Draft-model forward passes run to propose (batched passes count once; 0 for ngram).",
+            draft_forwards,
+        )
+        yield counter(
+            "draft_tokens_computed",
+            "Draft positions computed by draft-model forwards, including those a stop rule (confidence) dropped.",
+            draft_tokens_computed,
         )
         cut = CounterMetricFamily(
             f"{NAMESPACE}_cut_tokens", "Proposed draft tokens cut before verification, by cause.",

@@ -19,12 +19,15 @@ from typing import Any, Literal, NamedTuple, get_args
 # Scalar derived metrics that exist both pooled (over all drafts) and as a mean of per-request values.
 SCALAR_METRICS = (
     "acceptance_rate",
-    "mean_accepted_length",
+    "accepted_tokens_per_draft",
     "mean_acceptance_length",
     "emitted_per_draft",
     "mean_proposed_length",
-    "tokens_per_target_forward",
+    "tokens_per_seq_step",
 )
+
+# Deprecated output keys kept for one release (docs/metrics.md "Renamed"): old name -> the metric it repeats.
+DEPRECATED_ALIASES = {"mean_accepted_length": "accepted_tokens_per_draft"}
 
 
 # Why a sequence-step verified no draft token (k_i = 0), decided by the engine in pipeline order (the first that
@@ -94,6 +97,8 @@ class StepRecord(NamedTuple):
     k0_causes: Sequence[K0Cause] = ()  # per sequence, the cause when k_i == 0 (() = "other")
     speedup_decode_s: float = 0.0  # this step's share of SpeedupTotals.decode_s (metrics/speedup.py)
     speedup_plain_decode_s: float = 0.0  # and of plain_decode_s
+    num_draft_forwards: int = 0  # draft-model forward passes run to propose this step (0: lookup or no drafting)
+    num_computed_draft_tokens: int = 0  # draft positions those forwards computed, stop-rule drops included
 
 
 def add_tuples(left: tuple[int, ...], right: tuple[int, ...]) -> tuple[int, ...]:
@@ -193,6 +198,19 @@ class SpecCounters:
         return self.drafts + self.nonspec_seq_steps
 
     @property
+    def rejected_tokens(self) -> int:
+        """Wasted verification: verified draft tokens the verifier rejected, T - A."""
+        return self.draft_tokens - self.accepted_tokens
+
+    @property
+    def past_stop_tokens(self) -> int:
+        """Wasted work past a stop: tokens the target computed and the verifier kept (accepted drafts and the
+        bonus/correction token, or a plain step's token) that a stop token, stop string or max_tokens then threw
+        away: (A + D - E) over drafts plus (nonspec_seq_steps - nonspec_tokens)."""
+        return (self.accepted_tokens + self.drafts - self.emitted_tokens) + (self.nonspec_seq_steps
+                                                                            - self.nonspec_tokens)
+
+    @property
     def cut_policy_tokens(self) -> int:
         """Proposed, then cut by the k policy (or a confidence stop) before verification."""
         return self.proposed_tokens - self.draft_tokens - self.cut_grammar_tokens
@@ -206,9 +224,14 @@ class SpecCounters:
         return ratio(self.accepted_tokens, self.draft_tokens)
 
     @property
-    def mean_accepted_length(self) -> float | None:
+    def accepted_tokens_per_draft(self) -> float | None:
         """A / D: accepted draft tokens per draft, 0..k, bonus token excluded."""
         return ratio(self.accepted_tokens, self.drafts)
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Deprecated alias of accepted_tokens_per_draft (A / D), kept one release."""
+        return self.accepted_tokens_per_draft
 
     @property
     def mean_acceptance_length(self) -> float | None:
@@ -225,7 +248,9 @@ class SpecCounters:
         return ratio(self.draft_tokens, self.drafts)
 
     @property
-    def tokens_per_target_forward(self) -> float | None:
+    def tokens_per_seq_step(self) -> float | None:
+        """Tokens emitted per sequence-step (one row of a target forward per sequence). Not per forward: a
+        forward serves a whole batch; SpecMetricsSnapshot.tokens_per_target_forward divides by forwards."""
         return ratio(self.total_emitted_tokens, self.target_forward_seq_steps)
 
     @property
@@ -251,6 +276,8 @@ class SpecCounters:
             "proposed_tokens": self.proposed_tokens,
             "cut_policy_tokens": self.cut_policy_tokens,
             "cut_grammar_tokens": self.cut_grammar_tokens,
+            "rejected_tokens": self.rejected_tokens,
+            "past_stop_tokens": self.past_stop_tokens,
             "nonspec_by_cause": dict(zip(K0_CAUSES, self.nonspec_by_cause)),
             "drafted_at": list(self.drafted_at),
             "reached_at": list(self.reached_at),
@@ -273,6 +300,8 @@ class StepTotals:
     prefill_only_steps: int = 0  # of those, steps that sampled no sequence at all
     prefill_tokens: int = 0
     prefill_s: float = 0.0
+    draft_forwards: int = 0  # draft-model forward passes (Proposal.num_draft_forwards); 0 for prompt lookup
+    draft_tokens_computed: int = 0  # draft positions they computed, tokens a stop rule dropped included
 
     def __add__(self, other: StepTotals) -> StepTotals:
         if not isinstance(other, StepTotals):
@@ -287,6 +316,8 @@ class StepTotals:
             self.prefill_only_steps + other.prefill_only_steps,
             self.prefill_tokens + other.prefill_tokens,
             self.prefill_s + other.prefill_s,
+            self.draft_forwards + other.draft_forwards,
+            self.draft_tokens_computed + other.draft_tokens_computed,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -300,4 +331,6 @@ class StepTotals:
             "prefill_only_steps": self.prefill_only_steps,
             "prefill_tokens": self.prefill_tokens,
             "prefill_s": self.prefill_s,
+            "draft_forwards": self.draft_forwards,
+            "draft_tokens_computed": self.draft_tokens_computed,
         }

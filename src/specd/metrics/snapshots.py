@@ -6,7 +6,15 @@ from bisect import bisect_left
 from dataclasses import dataclass, field
 from typing import Any
 
-from specd.metrics.records import SCALAR_METRICS, SpecCounters, StepDetail, StepTotals, add_tuples, ratio
+from specd.metrics.records import (
+    DEPRECATED_ALIASES,
+    SCALAR_METRICS,
+    SpecCounters,
+    StepDetail,
+    StepTotals,
+    add_tuples,
+    ratio,
+)
 from specd.metrics.speedup import SpeedupTotals
 
 
@@ -96,8 +104,13 @@ class RequestSpecStats:
         return self.counters.acceptance_rate
 
     @property
+    def accepted_tokens_per_draft(self) -> float | None:
+        return self.counters.accepted_tokens_per_draft
+
+    @property
     def mean_accepted_length(self) -> float | None:
-        return self.counters.mean_accepted_length
+        """Deprecated alias of accepted_tokens_per_draft, kept one release."""
+        return self.counters.accepted_tokens_per_draft
 
     @property
     def mean_acceptance_length(self) -> float | None:
@@ -114,6 +127,8 @@ class RequestSpecStats:
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"request_id": self.request_id, "counters": self.counters.to_dict()}
         out["derived"] = {metric: getattr(self.counters, metric) for metric in SCALAR_METRICS}
+        for old, new in DEPRECATED_ALIASES.items():
+            out["derived"][old] = out["derived"][new]
         out["derived"]["per_position_acceptance"] = list(self.counters.per_position_acceptance)
         out["derived"]["conditional_acceptance"] = list(self.counters.conditional_acceptance)
         if self.steps is not None:
@@ -157,12 +172,12 @@ class SpecMetricsSnapshot:
         return self.per_request.mean("acceptance_rate")
 
     @property
-    def mean_accepted_length_pooled(self) -> float | None:
-        return self.counters.mean_accepted_length
+    def accepted_tokens_per_draft_pooled(self) -> float | None:
+        return self.counters.accepted_tokens_per_draft
 
     @property
-    def mean_accepted_length_mean_per_request(self) -> float | None:
-        return self.per_request.mean("mean_accepted_length")
+    def accepted_tokens_per_draft_mean_per_request(self) -> float | None:
+        return self.per_request.mean("accepted_tokens_per_draft")
 
     @property
     def mean_acceptance_length_pooled(self) -> float | None:
@@ -173,8 +188,10 @@ class SpecMetricsSnapshot:
         return self.per_request.mean("mean_acceptance_length")
 
     @property
-    def tokens_per_target_forward_pooled(self) -> float | None:
-        return self.counters.tokens_per_target_forward
+    def tokens_per_target_forward(self) -> float | None:
+        """Tokens emitted per target forward: (E + nonspec_tokens) / steps, every forward of the window counted
+        once whatever its batch (prefill-only forwards included: they cost a forward and emit nothing)."""
+        return ratio(self.counters.total_emitted_tokens, self.step_totals.steps)
 
     def derived(self) -> dict[str, Any]:
         """Every derived value, pooled and mean-per-request, JSON-ready (None where undefined)."""
@@ -182,6 +199,10 @@ class SpecMetricsSnapshot:
         for metric in SCALAR_METRICS:
             out[f"{metric}_pooled"] = getattr(self.counters, metric)
             out[f"{metric}_mean_per_request"] = self.per_request.mean(metric)
+        for old, new in DEPRECATED_ALIASES.items():
+            out[f"{old}_pooled"] = out[f"{new}_pooled"]
+            out[f"{old}_mean_per_request"] = out[f"{new}_mean_per_request"]
+        out["tokens_per_target_forward_pooled"] = self.tokens_per_target_forward
         out["per_position_acceptance_pooled"] = list(self.counters.per_position_acceptance)
         out["conditional_acceptance_pooled"] = list(self.counters.conditional_acceptance)
         return out

@@ -172,6 +172,8 @@ class SpecStatsRecorder:
         self._interval_prefill_only_steps = 0
         self._interval_prefill_tokens = 0
         self._interval_prefill_s = 0.0
+        self._interval_draft_forwards = 0
+        self._interval_draft_tokens_computed = 0
         self._interval_requests = PerRequestAggregates.zero(self.k_max)
         self._interval_decode_s = 0.0  # the speed-up sums (metrics/speedup.py)
         self._interval_plain_decode_s = 0.0
@@ -187,6 +189,8 @@ class SpecStatsRecorder:
         num_proposed: Sequence[int] = (),
         num_grammar_cut: Sequence[int] = (),
         k0_causes: Sequence[K0Cause] = (),
+        num_draft_forwards: int = 0,
+        num_computed_draft_tokens: int = 0,
     ) -> None:
         """`record_counts` for counts held in one tensor (e.g. on a device): one device-to-host copy.
 
@@ -200,7 +204,7 @@ class SpecStatsRecorder:
         num_draft, num_accepted, num_emitted = counts.tolist()
         self.record_counts(
             request_ids, num_draft, num_accepted, num_emitted, times, detail_request_ids, num_prefill_tokens,
-            num_proposed, num_grammar_cut, k0_causes,
+            num_proposed, num_grammar_cut, k0_causes, num_draft_forwards, num_computed_draft_tokens,
         )
 
     def record_counts(
@@ -215,6 +219,8 @@ class SpecStatsRecorder:
         num_proposed: Sequence[int] = (),  # p_i >= k_i: the proposer's tokens before cuts; () means p_i = k_i
         num_grammar_cut: Sequence[int] = (),  # g_i <= p_i - k_i: of those, cut by a grammar; () means 0
         k0_causes: Sequence[K0Cause] = (),  # why k_i == 0 (read only there); () means "other"
+        num_draft_forwards: int = 0,  # draft-model forwards run to propose this step (Proposal.num_draft_forwards)
+        num_computed_draft_tokens: int = 0,  # draft positions they computed (Proposal.num_computed_draft_tokens)
     ) -> None:
         """Add one engine step to every window and hand its record to every sink.
 
@@ -226,6 +232,10 @@ class SpecStatsRecorder:
         num_seqs = len(request_ids)
         if isinstance(num_prefill_tokens, bool) or not isinstance(num_prefill_tokens, int) or num_prefill_tokens < 0:
             raise ValueError(f"num_prefill_tokens: must be an integer >= 0, got {num_prefill_tokens!r}")
+        for name, value in (("num_draft_forwards", num_draft_forwards),
+                            ("num_computed_draft_tokens", num_computed_draft_tokens)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name}: must be an integer >= 0, got {value!r}")
         if num_seqs == 0 and num_prefill_tokens == 0:
             raise ValueError("request_ids: a step samples at least one sequence or prefills a prompt chunk")
         if not len(num_draft) == len(num_accepted) == len(num_emitted) == num_seqs:
@@ -295,11 +305,15 @@ class SpecStatsRecorder:
                 self._interval_prefill_only_steps += num_seqs == 0
                 self._interval_prefill_tokens += num_prefill_tokens
                 self._interval_prefill_s += times.prefill_s
+            if num_draft_forwards or num_computed_draft_tokens:
+                self._interval_draft_forwards += num_draft_forwards
+                self._interval_draft_tokens_computed += num_computed_draft_tokens
             decode_s, plain_decode_s = self._add_speedup_locked(num_draft, num_emitted, times, num_prefill_tokens)
         if self._sinks:
             record = StepRecord(
                 step, now, request_ids, num_draft, num_accepted, num_emitted, times, num_prefill_tokens,
-                num_proposed, num_grammar_cut, k0_causes, decode_s, plain_decode_s,
+                num_proposed, num_grammar_cut, k0_causes, decode_s, plain_decode_s, num_draft_forwards,
+                num_computed_draft_tokens,
             )
             self._fanout.on_step(record)
 
@@ -373,6 +387,8 @@ class SpecStatsRecorder:
             self._interval_prefill_only_steps,
             self._interval_prefill_tokens,
             self._interval_prefill_s,
+            self._interval_draft_forwards,
+            self._interval_draft_tokens_computed,
         )
         speedup = SpeedupTotals(
             self._interval_decode_s, self._interval_plain_decode_s, self._interval_unestimated_decode_steps

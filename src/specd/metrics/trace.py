@@ -59,6 +59,8 @@ class TraceRecord(NamedTuple):
     proposed: int | None = None  # the proposer's tokens before cuts; None (absent): k
     grammar_cut: int = 0  # of those, cut by a grammar before verification
     k0_cause: str = "other"  # why k == 0 (only on such lines)
+    draft_forwards: int = 0  # the step's drafting work (step-level, repeated on each of its lines; absent: 0)
+    draft_tokens_computed: int = 0
 
 
 class TracePrefill(NamedTuple):
@@ -129,6 +131,10 @@ class TraceSink:
         proposed = record.num_proposed_tokens or record.num_draft_tokens
         grammar_cut = record.num_grammar_cut_tokens
         causes = record.k0_causes
+        draft_work = ""
+        if record.num_draft_forwards or record.num_computed_draft_tokens:
+            draft_work = (f',"draft_forwards":{record.num_draft_forwards},'
+                          f'"draft_tokens_computed":{record.num_computed_draft_tokens}')
         for index, (request_id, k, a, e, p) in enumerate(zip(
             record.request_ids, record.num_draft_tokens, record.num_accepted_tokens, record.num_emitted_tokens,
             proposed,
@@ -141,6 +147,8 @@ class TraceSink:
                 extra += f',"grammar_cut":{grammar_cut[index]}'
             if not k:
                 extra += f',"k0_cause":"{causes[index] if causes else "other"}"'
+            if draft_work:  # step-level, repeated on each of its lines like the phase times
+                extra += draft_work
             lines.append(f'{head}{quoted},"k":{k},"accepted":{a},"emitted":{e}{extra}{tail}')
         with self._lock:
             self._file.write("".join(lines))
@@ -243,7 +251,9 @@ def _parse_line(path: Path, line_no: int, line: str) -> TraceLine:
             f"got k={k}, accepted={accepted}, emitted={emitted}"
         )
     proposed, grammar_cut = obj.get("proposed", k), obj.get("grammar_cut", 0)
-    for name, value in (("proposed", proposed), ("grammar_cut", grammar_cut)):
+    draft_forwards, draft_tokens_computed = obj.get("draft_forwards", 0), obj.get("draft_tokens_computed", 0)
+    for name, value in (("proposed", proposed), ("grammar_cut", grammar_cut), ("draft_forwards", draft_forwards),
+                        ("draft_tokens_computed", draft_tokens_computed)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise TraceFormatError(f"{where}: field {name!r} must be an integer >= 0, got {value!r}")
     if not k <= proposed or grammar_cut > proposed - k:
@@ -266,6 +276,8 @@ def _parse_line(path: Path, line_no: int, line: str) -> TraceLine:
         proposed,
         grammar_cut,
         k0_cause,
+        draft_forwards,
+        draft_tokens_computed,
     )
 
 
@@ -352,6 +364,7 @@ def recount(records: Iterable[TraceLine], k_max: int) -> SpecMetricsSnapshot:
     spec_steps: set[int] = set()
     sampled_steps: set[int] = set()
     prefill_tokens: dict[int, int] = {}
+    draft_work: dict[int, tuple[int, int]] = {}
     for record in records:
         if isinstance(record, TraceHeader):
             continue
@@ -373,6 +386,7 @@ def recount(records: Iterable[TraceLine], k_max: int) -> SpecMetricsSnapshot:
         per_request.setdefault(record.request_id, _Tally(k_max)).add(*row)
         step_times.setdefault(record.step, (record.propose_s, record.verify_s, record.sample_s, record.prefill_s))
         sampled_steps.add(record.step)
+        draft_work.setdefault(record.step, (record.draft_forwards, record.draft_tokens_computed))
         if record.k > 0:
             spec_steps.add(record.step)
     totals = StepTotals(
@@ -385,5 +399,7 @@ def recount(records: Iterable[TraceLine], k_max: int) -> SpecMetricsSnapshot:
         prefill_only_steps=len(prefill_tokens.keys() - sampled_steps),
         prefill_tokens=sum(prefill_tokens.values()),
         prefill_s=sum(step_times[step][3] for step in prefill_tokens),
+        draft_forwards=sum(work[0] for work in draft_work.values()),
+        draft_tokens_computed=sum(work[1] for work in draft_work.values()),
     )
     return SpecMetricsSnapshot(total.counters(), totals, aggregates)

@@ -53,6 +53,13 @@ def render_table(snapshot: SpecMetricsSnapshot, out: TextIO) -> None:
         ("nonspec_seq_steps", str(counters.nonspec_seq_steps)),
         ("nonspec_tokens", str(counters.nonspec_tokens)),
         ("target_forward_seq_steps", str(counters.target_forward_seq_steps)),
+        ("proposed_tokens", str(counters.proposed_tokens)),
+        ("cut_policy_tokens", str(counters.cut_policy_tokens)),
+        ("cut_grammar_tokens", str(counters.cut_grammar_tokens)),
+        ("rejected_tokens", str(counters.rejected_tokens)),
+        ("past_stop_tokens", str(counters.past_stop_tokens)),
+        ("draft_forwards", str(totals.draft_forwards)),
+        ("draft_tokens_computed", str(totals.draft_tokens_computed)),
         ("requests", str(snapshot.per_request.finished_requests)),
         ("propose_s", f"{totals.propose_s:.6f}"),
         ("verify_s", f"{totals.verify_s:.6f}"),
@@ -71,6 +78,7 @@ def render_table(snapshot: SpecMetricsSnapshot, out: TextIO) -> None:
         out.write(
             f"  {metric:<30}  {_fmt(getattr(counters, metric)):>8}  {_fmt(snapshot.per_request.mean(metric)):>16}\n"
         )
+    out.write(f"  {'tokens_per_target_forward':<30}  {_fmt(snapshot.tokens_per_target_forward):>8}  {'':>16}\n")
     out.write(
         "\naccepted length histogram (a: drafts)\n  "
         + "  ".join(f"{a}: {count}" for a, count in enumerate(counters.accepted_length_hist))

@@ -195,7 +195,8 @@ class SpeculativeDecodingUsage(BaseModel):
     accepted_tokens: int
     emitted_tokens: int
     acceptance_rate: float | None  # accepted_tokens / draft_tokens
-    mean_accepted_length: float | None  # accepted_tokens / drafts (bonus token excluded)
+    accepted_tokens_per_draft: float | None  # accepted_tokens / drafts (bonus token excluded)
+    mean_accepted_length: float | None  # deprecated alias of accepted_tokens_per_draft, kept one release
     mean_acceptance_length: float | None  # tau = 1 + accepted_tokens / drafts
 
 

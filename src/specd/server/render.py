@@ -74,7 +74,8 @@ def request_usage(num_prompt_tokens: int, choices: list[ChoiceState], k_max: int
         choices=len(choices), drafts=counters.drafts, draft_tokens=counters.draft_tokens,
         accepted_tokens=counters.accepted_tokens, emitted_tokens=counters.emitted_tokens,
         acceptance_rate=counters.acceptance_rate,
-        mean_accepted_length=counters.mean_accepted_length, mean_acceptance_length=counters.mean_acceptance_length,
+        accepted_tokens_per_draft=counters.accepted_tokens_per_draft,
+        mean_accepted_length=counters.accepted_tokens_per_draft, mean_acceptance_length=counters.mean_acceptance_length,
     )
     return Usage(prompt_tokens=num_prompt_tokens, completion_tokens=completion_tokens,
                  total_tokens=num_prompt_tokens + completion_tokens, speculative_decoding=spec)

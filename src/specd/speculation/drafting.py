@@ -41,13 +41,20 @@ class DraftLoop:
         self._probs: list[list[torch.Tensor]] = [[] for _ in seqs]  # per sequence, [vocab_size] per draft
         self.feed: dict[int, list[int]] = {}
         self.starts: dict[int, int] = {}
+        # What drafting cost, for the metrics (Proposal.num_draft_forwards / num_computed_draft_tokens): every
+        # forward hands its logits to drop_stopped, so it is counted there, dropped positions included.
+        self.num_forwards = 0
+        self.num_computed = 0
 
     def drop_stopped(self, active: list[int], logits: torch.Tensor) -> tuple[list[int], torch.Tensor]:
         """The sequences (and their logits rows) whose stop rule lets them draft the next position.
 
         logits: [len(active), vocab] raw scores of the model. The rule reads the raw top probability, before the
         request's temperature and filters and before sampling, so it never depends on the token drawn there.
+        Called once per forward: it counts the forward and the positions it computed (the drafting cost).
         """
+        self.num_forwards += 1
+        self.num_computed += len(active)
         if all(self.seqs[i].draft_stop is None for i in active):
             return active, logits
         top_probs = torch.softmax(logits.float(), dim=-1).amax(dim=-1).tolist()  # [len(active)]
@@ -74,4 +81,5 @@ class DraftLoop:
     def proposal(self) -> Proposal:
         """The drafts and their distributions, flattened in sequence order."""
         rows = [p for per_seq in self._probs for p in per_seq]
-        return Proposal(self.drafts, torch.stack(rows) if rows else None)  # draft_probs: [total_drafts, vocab_size]
+        draft_probs = torch.stack(rows) if rows else None  # [total_drafts, vocab_size]
+        return Proposal(self.drafts, draft_probs, None, self.num_forwards, self.num_computed)

@@ -54,9 +54,11 @@ class HybridProposer(Proposer):
         modelled = self.model.propose(seqs, model_k) if any(model_k) else Proposal([[] for _ in seqs], None)
         drafts = [c if copy else m for copy, c, m in zip(use_ngram, copied.draft_token_ids, modelled.draft_token_ids)]
         buckets = [n if copy else MODEL_BUCKET for copy, n in zip(use_ngram, match_lengths)]
+        # The lookup costs no forward: drafting work is the model proposer's alone.
+        cost = (modelled.num_draft_forwards, modelled.num_computed_draft_tokens)
         if modelled.draft_probs is None:
             # Every draft is deterministic (n-gram drafts, or model drafts the model returned without q).
-            return Proposal(drafts, None, buckets)
+            return Proposal(drafts, None, buckets, *cost)
         rows: list[torch.Tensor] = []  # one [len(d_i), vocab_size] block per sequence, in order
         model_row = 0
         for copy, draft, model_draft in zip(use_ngram, drafts, modelled.draft_token_ids):
@@ -67,7 +69,7 @@ class HybridProposer(Proposer):
             else:
                 rows.append(modelled.draft_probs[model_row : model_row + len(model_draft)])
                 model_row += len(model_draft)
-        return Proposal(drafts, torch.cat(rows), buckets)
+        return Proposal(drafts, torch.cat(rows), buckets, *cost)
 
     def observe(self, seq_ids: Sequence[int], start_positions: Sequence[int],
                 hidden_per_seq: Sequence[torch.Tensor]) -> None:

@@ -68,11 +68,17 @@ class Proposal(NamedTuple):
     (the rejection sampler then treats q as one-hot at the draft token).
     draft_buckets: optional per-sequence confidence class of the draft, from the proposer's own signal (ngram:
     the length of the matched suffix). The goodput k policy learns acceptance per bucket; None = one class.
+    num_draft_forwards, num_computed_draft_tokens: what drafting cost, for the metrics (docs/metrics.md "Drafting
+    work"): the model forward passes this call ran (batched: one pass over all its sequences counts once), and
+    the draft positions whose next-token distribution they computed, one per sequence per pass, a position a
+    stop rule (DraftStop) then dropped included. A proposer that runs no model (prompt lookup) leaves both 0.
     """
 
     draft_token_ids: list[list[int]]
     draft_probs: torch.Tensor | None
     draft_buckets: list[int] | None = None
+    num_draft_forwards: int = 0
+    num_computed_draft_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
