@@ -1,9 +1,10 @@
 """Cost of SpecStatsRecorder.record_step at batch 32, k = 8, with each sink and with all of them.
 
-Run: .venv/bin/python bench/stats_overhead.py [--steps N] [--batch B] [--k K] [--dtype bfloat16]
-Prints µs per record_step (median of repeats) and, side by side, the time of the target forward such a step
-verifies on the default model (batch sequences x (k + 1) tokens at 256 tokens of context), so each cost is
-also shown as a share of the step (--no-model skips that).
+Run: .venv/bin/python bench/stats_overhead.py [--steps N] [--batch B] [--k K] [--dtype int4]
+Prints CPU µs per record_step (median of repeats) and, side by side, the CPU time of the target forward such a
+step verifies on the default model (batch sequences x (k + 1) tokens at 256 tokens of context, one thread), so
+each cost is also shown as a share of the step (--no-model skips that). Both are CPU time on one thread
+(time.process_time), so the share is a ratio of work, not of wall time on a loaded machine.
 """
 
 from __future__ import annotations
@@ -71,14 +72,17 @@ def time_config(
         times = StepPhaseTimes(0.002, 0.030, 0.001)
         request_ids = [f"req-{i}" for i in range(batch)]
         next_id = batch
-        start = time.perf_counter()
         # What the engine hands over besides the counts: proposed tokens (one more than verified, the policy's
-        # cut, where k_max allows) and a k = 0 cause for every sequence.
+        # cut, where k_max allows), a k = 0 cause for every sequence, and a draft model's work (k_max batched
+        # passes, one position more per sequence than it proposed: a confidence stop's drop).
         proposed = [[min(k + 1, k_max) for k in counts[0].tolist()] for counts in steps]
+        computed = [sum(p) + batch for p in proposed]
         causes: list[K0Cause] = ["no_match"] * batch
+        start = time.process_time()
         for index, counts in enumerate(steps):
             recorder.record_step(request_ids, counts, times, set(request_ids) if detail else frozenset(),
-                                 num_proposed=proposed[index], k0_causes=causes)
+                                 num_proposed=proposed[index], k0_causes=causes, num_draft_forwards=k_max,
+                                 num_computed_draft_tokens=computed[index])
             if periodic_log:
                 clock.now = index * 0.03  # a 30 ms step: one log line every ~33 steps
                 logger.tick()
@@ -87,7 +91,7 @@ def time_config(
                 recorder.finish_request(request_ids[slot])
                 request_ids[slot] = f"req-{next_id}"
                 next_id += 1
-        results.append((time.perf_counter() - start) / len(steps) * 1e6)
+        results.append((time.process_time() - start) / len(steps) * 1e6)
         for sink in sinks:
             if isinstance(sink, TraceSink):
                 sink.close()
@@ -100,7 +104,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--k", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "int4"])
+    parser.add_argument("--dtype", default="int4", choices=["float32", "bfloat16", "int4"],
+                        help="the target's mode (default int4, the engine's default and fastest: the smallest step)")
     parser.add_argument("--no-model", action="store_true", help="skip timing the default model's forward")
     args = parser.parse_args()
     step_ms = None if args.no_model else target_step_ms(args.batch, args.k, args.dtype)
@@ -108,7 +113,7 @@ def main() -> None:
     logging.getLogger("bench").setLevel(logging.WARNING)  # format the line, don't print it
 
     def prometheus(_: Path) -> list[StatsSink]:
-        return [PrometheusSink(CollectorRegistry(), model="m", proposer="ngram", vllm_compat=True)]
+        return [PrometheusSink(CollectorRegistry(), model="m", proposer="ngram", k_policy="goodput", vllm_compat=True)]
 
     def trace(tmp: Path) -> list[StatsSink]:
         return [TraceSink(tmp / "trace.jsonl")]
@@ -121,19 +126,21 @@ def main() -> None:
         ("all sinks + log line", lambda tmp: prometheus(tmp) + trace(tmp), None, True),
         ("all sinks + log + step detail for all", lambda tmp: prometheus(tmp) + trace(tmp), "all", True),
     ]
-    print(f"record_step cost, batch={args.batch}, k={args.k}, {args.steps} steps x {args.repeats} repeats")
+    print(f"record_step CPU cost, batch={args.batch}, k={args.k}, {args.steps} steps x {args.repeats} repeats")
     if step_ms is not None:
-        print(f"target forward of the step ({args.dtype}, {args.batch} x {args.k + 1} tokens): {step_ms:.1f} ms")
-    print(f"{'configuration':<40} {'µs/step':>9} {'% of step':>10}")
+        print(f"target forward of the step ({args.dtype}, {args.batch} x {args.k + 1} tokens, 1 thread): "
+              f"{step_ms:.1f} CPU ms")
+    print(f"{'configuration':<40} {'CPU µs/step':>11} {'% of step':>10}")
     with tempfile.TemporaryDirectory() as tmp:
         for name, make_sinks, detail, periodic_log in configs:
             micros = time_config(make_sinks, steps, args.k, Path(tmp), detail, periodic_log, args.repeats)
             share = "" if step_ms is None else f"{100 * micros / 1000 / step_ms:>9.3f}%"
-            print(f"{name:<40} {micros:>9.1f} {share:>10}")
+            print(f"{name:<40} {micros:>11.1f} {share:>10}")
 
 
 def target_step_ms(batch: int, k: int, dtype: str, context: int = 256, repeats: int = 5) -> float:
-    """Median time of one verification forward of `batch` sequences x (k + 1) new tokens on the default model."""
+    """Median CPU time (one thread) of one verification forward of `batch` sequences x (k + 1) new tokens on the
+    default model."""
     from specd.config import EngineConfig
     from specd.model.attention import ForwardBatch
     from specd.model.llama import build_model
@@ -148,12 +155,13 @@ def target_step_ms(batch: int, k: int, dtype: str, context: int = 256, repeats: 
     for slot in slots:
         cache.set_len(slot, context)
     step = ForwardBatch.build([[7] * (k + 1)] * batch, slots, [context] * batch, [list(range(k + 1))] * batch)
+    torch.set_num_threads(1)  # CPU time of one thread, comparable with the recorder's
     model(step, cache)
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = time.process_time()
         model(step, cache)
-        times.append(time.perf_counter() - t0)
+        times.append(time.process_time() - t0)
     return statistics.median(times) * 1000
 
 

@@ -36,7 +36,7 @@ class Replica:
     def __init__(self, tiny_model, tokenizer, name: str, prompts: list[str]) -> None:
         self.name = name
         self.registry = CollectorRegistry()
-        sink = PrometheusSink(self.registry, "tiny", "ngram")
+        sink = PrometheusSink(self.registry, "tiny", "ngram", "heuristic")
         self.llm = LLM.from_model(tiny_model, tokenizer, EngineConfig(speculation=SPEC, max_model_len=256),
                                   stats_sinks=[sink])
         self.outputs = self.llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0))

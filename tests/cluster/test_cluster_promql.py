@@ -80,7 +80,7 @@ def _query(url: str, expr: str, at: float | None = None) -> list[dict]:
 def test_cross_replica_recipes_pool_exactly(tiny_model, tokenizer, tmp_path):
     registries = {name: CollectorRegistry() for name in TRAFFIC}
     llms = {name: LLM.from_model(tiny_model, tokenizer, EngineConfig(speculation=SPEC, max_model_len=256),
-                                 stats_sinks=[PrometheusSink(registries[name], "tiny", "ngram")])
+                                 stats_sinks=[PrometheusSink(registries[name], "tiny", "ngram", "heuristic")])
             for name in TRAFFIC}
     board = MetricsBoard(stale_after_s=600.0)
 

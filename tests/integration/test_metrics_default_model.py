@@ -62,7 +62,8 @@ def _from_prometheus(registry: CollectorRegistry) -> dict[str, Any]:
     for family in text_string_to_metric_families(generate_latest(registry).decode()):
         for sample in family.samples:
             if sample.labels.get("model") == "default" and sample.labels.get("proposer") == "ngram":
-                extra = tuple(sorted((k, v) for k, v in sample.labels.items() if k not in ("model", "proposer")))
+                own = ("model", "proposer", "k_policy")
+                extra = tuple(sorted((k, v) for k, v in sample.labels.items() if k not in own))
                 samples[sample.name, extra] = sample.value
     out: dict[str, Any] = {name: samples[f"specd_spec_decode_{name}_total", ()] for name in SCALAR_COUNTERS}
     for name in ("drafted_at", "reached_at", "accepted_at"):
@@ -79,7 +80,7 @@ def _from_prometheus(registry: CollectorRegistry) -> dict[str, Any]:
 def test_four_metric_views_agree_on_the_default_model(tmp_path, caplog, pooled_from_counters) -> None:
     trace_path = tmp_path / "trace.jsonl"
     registry = CollectorRegistry()
-    sink = PrometheusSink(registry, model="default", proposer="ngram")
+    sink = PrometheusSink(registry, model="default", proposer="ngram", k_policy="heuristic")
     llm = LLM(
         "default",
         max_model_len=512,

@@ -58,7 +58,7 @@ def test_draft_forwards_and_computed_positions_agree_everywhere(tiny_model, toke
     config = EngineConfig(speculation=spec, max_num_seqs=4, max_model_len=256, spec_trace_path=str(trace_path),
                           log_stats_interval_s=0.05)
     registry = CollectorRegistry()
-    sink = PrometheusSink(registry, model="tiny", proposer="layerskip")
+    sink = PrometheusSink(registry, model="tiny", proposer="layerskip", k_policy="confidence")
     llm = LLM.from_model(tiny_model, tokenizer, config, stats_sinks=[sink], proposer=proposer)
     capture = _Capture()
     specd_logger = logging.getLogger("specd")

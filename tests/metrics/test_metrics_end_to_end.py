@@ -199,7 +199,7 @@ def run(bigram_model, tokenizer, tmp_path_factory) -> Run:
 
     trace_path = tmp_path_factory.mktemp("trace") / "trace.jsonl"
     registry = CollectorRegistry()
-    sink = PrometheusSink(registry, model=MODEL_LABEL, proposer="ngram", vllm_compat=True)
+    sink = PrometheusSink(registry, model=MODEL_LABEL, proposer="ngram", k_policy="heuristic", vllm_compat=True)
     # A short interval on the logger's own timer; close() logs the partial last one, so the lines cover the run.
     config = _ngram_config(log_stats_interval_s=0.05, spec_trace_path=str(trace_path))
     llm = LLM.from_model(bigram_model, tokenizer, config, stats_sinks=[sink])
@@ -302,7 +302,7 @@ def test_log_lines_sum_to_get_metrics(run: Run, pooled_from_counters) -> None:
 
 def test_prometheus_equals_get_metrics(run: Run, pooled_from_counters) -> None:
     c = run.metrics["counters"]
-    labels = (("model", MODEL_LABEL), ("proposer", "ngram"))
+    labels = (("k_policy", "heuristic"), ("model", MODEL_LABEL), ("proposer", "ngram"))
     prom = run.prometheus
 
     def value(name: str, *extra: tuple[str, str]) -> float:
@@ -411,8 +411,8 @@ def test_prefill_only_steps_are_recorded_everywhere_with_prefill_time_apart(bigr
         speculation=SpeculationConfig(method="ngram", num_speculative_tokens=K_MAX, k_policy="heuristic"),
         max_model_len=256, max_num_seqs=4, max_num_batched_tokens=24, spec_trace_path=str(trace_path),
     )
-    llm = LLM.from_model(bigram_model, tokenizer, config,
-                         stats_sinks=[PrometheusSink(registry, model=MODEL_LABEL, proposer="ngram")])
+    sink = PrometheusSink(registry, model=MODEL_LABEL, proposer="ngram", k_policy="heuristic")
+    llm = LLM.from_model(bigram_model, tokenizer, config, stats_sinks=[sink])
     prompts = [[1, *range(10 + i, 10 + i + 90)] for i in range(3)]
     llm.generate(prompt_token_ids=prompts,
                  sampling_params=SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
@@ -431,7 +431,7 @@ def test_prefill_only_steps_are_recorded_everywhere_with_prefill_time_apart(bigr
     for key in SECONDS:
         assert recounted[key] == pytest.approx(c[key], rel=1e-12)
     text = generate_latest(registry).decode()
-    labels = f'{{model="{MODEL_LABEL}",proposer="ngram"}}'
+    labels = f'{{k_policy="heuristic",model="{MODEL_LABEL}",proposer="ngram"}}'
     assert f"specd_spec_decode_steps_total{labels} {float(c['steps'])}" in text
     assert f"specd_spec_decode_prefill_tokens_total{labels} {float(c['prefill_tokens'])}" in text
 
@@ -446,7 +446,7 @@ def test_proposed_tokens_and_k0_causes_add_up(run: Run) -> None:
     assert causes["other"] == 0 and causes["disabled"] == 0 and causes["grammar"] == 0
     assert causes["policy"] > 0  # the heuristic policy walks k down to 0 on the misleading prompt
     assert causes["max_tokens"] > 0  # no drafts when one token is left
-    labels = (("model", MODEL_LABEL), ("proposer", "ngram"))
+    labels = (("k_policy", "heuristic"), ("model", MODEL_LABEL), ("proposer", "ngram"))
     prom = run.prometheus
     assert prom["specd_spec_decode_proposed_tokens_total"][labels] == c["proposed_tokens"]
     assert prom["specd_spec_decode_cut_tokens_total"][tuple(sorted((*labels, ("cause", "policy"))))] == (
@@ -486,7 +486,7 @@ def test_wasted_work_is_recounted_from_the_trace_lines(run: Run) -> None:
     c = run.metrics["counters"]
     assert (c["rejected_tokens"], c["past_stop_tokens"]) == (rejected, past_stop)
     assert rejected > 0 and past_stop > 0
-    labels = (("model", MODEL_LABEL), ("proposer", "ngram"))
+    labels = (("k_policy", "heuristic"), ("model", MODEL_LABEL), ("proposer", "ngram"))
     assert run.prometheus["specd_spec_decode_rejected_tokens_total"][labels] == rejected
     assert run.prometheus["specd_spec_decode_past_stop_tokens_total"][labels] == past_stop
     assert sum(line["rejected"] for line in run.log_lines) == rejected

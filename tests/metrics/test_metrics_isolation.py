@@ -75,7 +75,7 @@ def test_a_raising_sink_leaves_every_request_finishing_normally_and_is_exported(
     registry = CollectorRegistry()
     spec = SpeculationConfig(method="ngram", num_speculative_tokens=3)
     llm = tiny_llm(EngineConfig(speculation=spec, max_model_len=128, max_num_seqs=4),
-                   stats_sinks=[Broken(), PrometheusSink(registry, "tiny", "ngram")])
+                   stats_sinks=[Broken(), PrometheusSink(registry, "tiny", "ngram", "fixed")])
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     outputs = llm.generate(["abcabcabc", "hello hello", "xyz", "one two one two"], params)
     assert [out.outputs[0].finish_reason for out in outputs] == ["length"] * 4
@@ -84,22 +84,24 @@ def test_a_raising_sink_leaves_every_request_finishing_normally_and_is_exported(
     steps = metrics["counters"]["steps"]
     assert steps > 0 and metrics["sink_errors"] == steps + 4  # every step and every finish failed once
     text = generate_latest(registry).decode()
-    assert f'specd_stats_sink_errors_total{{model="tiny",proposer="ngram"}} {float(steps + 4)}' in text
-    assert f'specd_spec_decode_steps_total{{model="tiny",proposer="ngram"}} {float(steps)}' in text
+    assert f'specd_stats_sink_errors_total{{k_policy="fixed",model="tiny",proposer="ngram"}} {float(steps + 4)}' in text
+    assert f'specd_spec_decode_steps_total{{k_policy="fixed",model="tiny",proposer="ngram"}} {float(steps)}' in text
 
 
 def test_prometheus_sink_takes_k_max_from_the_recorder_once() -> None:
     registry = CollectorRegistry()
-    sink = PrometheusSink(registry, "m", "ngram")
+    sink = PrometheusSink(registry, "m", "ngram", "fixed")
     assert generate_latest(registry) == b""  # nothing registered before the recorder binds it
     recorder = SpecStatsRecorder(k_max=6, sinks=[sink])
     recorder.record_counts(["r"], [6], [6], [7], TIMES)
     text = generate_latest(registry).decode()
-    assert 'specd_spec_decode_accepted_at_position_total{model="m",position="6",proposer="ngram"} 1.0' in text
+    assert ('specd_spec_decode_accepted_at_position_total{k_policy="fixed",model="m",position="6",proposer="ngram"} '
+            '1.0') in text
     assert 'position="7"' not in text
     with pytest.raises(ValueError, match="recorder: this PrometheusSink is already bound"):
         SpecStatsRecorder(k_max=6, sinks=[sink])
     # A k above the recorder's k_max is refused before any sink sees it.
     with pytest.raises(ValueError, match="k_max=6"):
         recorder.record_counts(["r"], [7], [0], [1], TIMES)
-    assert 'specd_spec_decode_steps_total{model="m",proposer="ngram"} 1.0' in generate_latest(registry).decode()
+    text = generate_latest(registry).decode()
+    assert 'specd_spec_decode_steps_total{k_policy="fixed",model="m",proposer="ngram"} 1.0' in text

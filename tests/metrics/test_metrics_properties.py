@@ -90,7 +90,7 @@ class Run:
 
 def run(scenario: Scenario) -> Run:
     registry = CollectorRegistry()
-    prometheus = PrometheusSink(registry, model="m", proposer="ngram", vllm_compat=True)
+    prometheus = PrometheusSink(registry, model="m", proposer="ngram", k_policy="heuristic", vllm_compat=True)
     with tempfile.TemporaryDirectory() as tmp:
         trace_path = Path(tmp) / "trace.jsonl"
         with TraceSink(trace_path) as trace:
@@ -322,7 +322,7 @@ def test_prometheus_exposition_equals_counters(scenario: Scenario) -> None:
     result = run(scenario)
     snapshot = result.recorder.snapshot()
     counters, got = snapshot.counters, samples(result.exposition)
-    ours = {("model", "m"), ("proposer", "ngram")}
+    ours = {("model", "m"), ("proposer", "ngram"), ("k_policy", "heuristic")}
     vllm = {("model_name", "m"), ("engine", "0")}
 
     def value(name: str, labels: set[tuple[str, str]]) -> float:
@@ -398,3 +398,35 @@ def test_computation_modules_import_no_exporter(module: str) -> None:
         "specd.metrics.trace",
     )
     assert not [name for name in imported if name.startswith(forbidden)]
+
+
+@SETTINGS
+@given(scenarios())
+def test_exposition_in_default_and_spec_off_modes_equals_the_compat_one(scenario: Scenario) -> None:
+    """The same steps through three sinks: vLLM-compat (checked against the recorder above), default, and compat
+    with speculation off. specd's families are identical in all three; vllm:spec_decode_* exist only in the
+    first; the k_policy label is the configured policy everywhere."""
+    registries = {mode: CollectorRegistry() for mode in ("compat", "default", "off")}
+    sinks = [
+        PrometheusSink(registries["compat"], "m", "ngram", "heuristic", vllm_compat=True),
+        PrometheusSink(registries["default"], "m", "ngram", "heuristic"),
+        PrometheusSink(registries["off"], "m", "ngram", "heuristic", vllm_compat=True, speculating=False),
+    ]
+    recorder = SpecStatsRecorder(scenario.k_max, sinks=sinks)
+    for step in scenario.steps:
+        recorder.record_step(step.request_ids, torch.tensor(step.rows, dtype=torch.int64).T, step.times,
+                             num_proposed=[p for p, _, _ in step.drafting])
+        for request_id in step.finish_after:
+            recorder.finish_request(request_id)
+    got = {mode: samples(generate_latest(registry).decode()) for mode, registry in registries.items()}
+    # (`*_created` samples are each sink's creation time, not a count.)
+    own = {mode: {key: value for key, value in values.items()
+                  if key[0].startswith("specd_") and not key[0].endswith("_created")}
+           for mode, values in got.items()}
+    assert own["compat"] == own["default"] == own["off"]
+    assert own["compat"][("specd_spec_decode_drafts_total", frozenset(
+        {("model", "m"), ("proposer", "ngram"), ("k_policy", "heuristic")}))] == recorder.snapshot().counters.drafts
+    assert all(dict(labels)["k_policy"] == "heuristic" for _, labels in own["compat"])
+    vllm_names = {mode: {name for name, _ in values if name.startswith("vllm:")} for mode, values in got.items()}
+    assert vllm_names["compat"] >= {"vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total"}
+    assert vllm_names["default"] == vllm_names["off"] == set()

@@ -163,7 +163,7 @@ def test_prometheus_families_types_and_shared_registry() -> None:
     registry = CollectorRegistry()
     server_metric = Counter("specd_requests", "Requests served by the server.", registry=registry)
     server_metric.inc()
-    sink = PrometheusSink(registry, model="smol", proposer="ngram")
+    sink = PrometheusSink(registry, model="smol", proposer="ngram", k_policy="fixed")
     recorder = SpecStatsRecorder(k_max=4, sinks=[sink])
     drive(recorder)
     families = exposition(registry)
@@ -186,16 +186,17 @@ def test_prometheus_families_types_and_shared_registry() -> None:
     assert families["specd_requests"] == "counter"
     assert not any(name.startswith("vllm:") for name in families)
     text = generate_latest(registry).decode()
-    assert 'specd_spec_decode_drafts_total{model="smol",proposer="ngram"} 4.0' in text
-    assert 'specd_spec_decode_accepted_at_position_total{model="smol",position="2",proposer="ngram"} 1.0' in text
+    assert 'specd_spec_decode_drafts_total{k_policy="fixed",model="smol",proposer="ngram"} 4.0' in text
+    assert ('specd_spec_decode_accepted_at_position_total{k_policy="fixed",model="smol",position="2",'
+            'proposer="ngram"} 1.0') in text
     # A second sink in the same registry would collide: the registry's duplicate check catches it.
     with pytest.raises(ValueError, match="Duplicated"):
-        SpecStatsRecorder(k_max=4, sinks=[PrometheusSink(registry, model="smol", proposer="ngram")])
+        SpecStatsRecorder(k_max=4, sinks=[PrometheusSink(registry, model="smol", proposer="ngram", k_policy="fixed")])
 
 
 def test_prometheus_vllm_compat_names_labels_and_zero_based_position() -> None:
     registry = CollectorRegistry()
-    recorder = SpecStatsRecorder(k_max=4, sinks=[PrometheusSink(registry, "smol", "ngram", vllm_compat=True)])
+    recorder = SpecStatsRecorder(k_max=4, sinks=[PrometheusSink(registry, "smol", "ngram", "fixed", vllm_compat=True)])
     drive(recorder)
     text = generate_latest(registry).decode()
     assert 'vllm:spec_decode_num_drafts_total{engine="0",model_name="smol"} 4.0' in text
@@ -209,7 +210,7 @@ def test_prometheus_vllm_compat_names_labels_and_zero_based_position() -> None:
 
 def test_prometheus_rejects_bad_buckets() -> None:
     with pytest.raises(ValueError, match="phase_buckets"):
-        PrometheusSink(CollectorRegistry(), "m", "p", phase_buckets=(0.1, 0.01))
+        PrometheusSink(CollectorRegistry(), "m", "p", "fixed", phase_buckets=(0.1, 0.01))
 
 
 # Trace ---------------------------------------------------------------------------------------------
@@ -358,7 +359,7 @@ def test_grafana_dashboard_is_valid_and_queries_exported_metrics() -> None:
     variables = {v["name"]: v for v in dashboard["templating"]["list"]}
     assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
     registry = CollectorRegistry()
-    drive(SpecStatsRecorder(k_max=4, sinks=[PrometheusSink(registry, "m", "ngram")]))
+    drive(SpecStatsRecorder(k_max=4, sinks=[PrometheusSink(registry, "m", "ngram", "fixed")]))
     exported = {
         sample.name
         for family in text_string_to_metric_families(generate_latest(registry).decode())

@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from specd.metrics.log_sink import format_log_line
 from specd.metrics.prometheus_sink import PrometheusSink
-from specd.metrics.speedup import PlainStepCost, SpeedupTotals
+from specd.metrics.speedup import PlainStepCost, SpeedupTotals, VerifyStepCost
 from specd.metrics.stats import SpecStatsRecorder, StepPhaseTimes
 from specd.testing import parse_log_line
 
@@ -36,7 +36,7 @@ def test_speedup_totals_add_and_ratio() -> None:
     assert total == SpeedupTotals(1.0, 1.5, 3)
     assert total.speedup_estimate == 1.5
     assert total.to_dict() == {"decode_s": 1.0, "plain_decode_s": 1.5, "unestimated_decode_steps": 3,
-                               "speedup_estimate": 1.5}
+                               "modelled_decode_steps": 0, "speedup_estimate": 1.5}
 
 
 def _times(propose_s: float, verify_s: float, sample_s: float, prefill_s: float = 0.0) -> StepPhaseTimes:
@@ -45,7 +45,7 @@ def _times(propose_s: float, verify_s: float, sample_s: float, prefill_s: float 
 
 def test_recorder_log_line_and_prometheus_agree_on_the_estimate() -> None:
     registry = CollectorRegistry()
-    recorder = SpecStatsRecorder(4, sinks=[PrometheusSink(registry, model="m", proposer="ngram")])
+    recorder = SpecStatsRecorder(4, sinks=[PrometheusSink(registry, model="m", proposer="ngram", k_policy="fixed")])
     ids = ["x", "y"]
     # 1. A speculative step before any plain step was measured: no estimate, counted as such.
     recorder.record_counts(ids, [2, 3], [1, 0], [2, 1], _times(0.002, 0.020, 0.002))
@@ -94,3 +94,54 @@ def test_each_step_is_priced_at_the_plain_cost_known_when_it_was_recorded() -> N
     assert speedup.decode_s == pytest.approx(0.036)
     assert speedup.plain_decode_s == pytest.approx(0.033)
     assert speedup.speedup_estimate == pytest.approx(0.033 / 0.036)
+
+
+def test_verify_step_cost_line_needs_two_row_counts_and_a_positive_value() -> None:
+    cost = VerifyStepCost()
+    assert cost.estimate(1) is None
+    cost.observe(5, 0.020)
+    cost.observe(5, 0.022)
+    assert cost.estimate(1) is None  # one row count: no slope, no price
+    cost.observe(3, 0.017)
+    # Least squares through (5, 0.020), (5, 0.022), (3, 0.017): slope 0.002, at 1 row 0.013.
+    assert cost.estimate(1) == pytest.approx(0.013)
+    falling = VerifyStepCost()
+    falling.observe(2, 0.010)
+    falling.observe(4, 0.002)
+    assert falling.estimate(1) == pytest.approx(0.014)
+    assert falling.estimate(6) is None  # the line's value there is <= 0: no price rather than a negative one
+
+
+def test_a_run_that_always_speculates_is_priced_by_the_verify_cost_model() -> None:
+    """No plain step ever: the estimate comes from the verification steps' own cost line read at R = B, and the
+    steps it prices count as modelled; a measured plain step then takes over."""
+    recorder = SpecStatsRecorder(4)
+    ids = ["x"]
+
+    def verify_s(rows: int) -> float:  # an exact line: 10 ms + 2 ms per verified row
+        return 0.010 + 0.002 * rows
+
+    recorder.record_counts(ids, [4], [1], [2], _times(0.001, verify_s(5), 0.0))  # one row count: unpriced
+    recorder.record_counts(ids, [2], [2], [3], _times(0.001, verify_s(3), 0.0))  # now a line: plain(1) = 12 ms
+    recorder.record_counts(ids, [3], [0], [1], _times(0.001, verify_s(4), 0.0))
+    speedup = recorder.snapshot().speedup
+    assert (speedup.unestimated_decode_steps, speedup.modelled_decode_steps) == (1, 2)
+    assert speedup.decode_s == pytest.approx(0.001 + verify_s(3) + 0.001 + verify_s(4))
+    assert speedup.plain_decode_s == pytest.approx(0.012 * 3 + 0.012 * 1)
+    line = parse_log_line(format_log_line(recorder.snapshot()))
+    assert (line["modelled_decode_steps"], line["unestimated_decode_steps"]) == (2, 1)
+    # A plain step measured at B = 1 (9 ms) prices what follows instead of the model.
+    recorder.record_counts(ids, [0], [0], [1], _times(0.0, 0.009, 0.0), k0_causes=["no_match"])
+    recorder.record_counts(ids, [2], [2], [3], _times(0.001, verify_s(3), 0.0))
+    after = recorder.snapshot().speedup
+    assert after.modelled_decode_steps == 2
+    assert after.plain_decode_s == pytest.approx(0.012 * 3 + 0.012 * 1 + 0.009 * 1 + 0.009 * 3)
+
+
+def test_a_run_with_one_verify_shape_and_no_plain_step_stays_unpriced() -> None:
+    recorder = SpecStatsRecorder(4)
+    for _ in range(5):
+        recorder.record_counts(["x", "y"], [4, 4], [4, 1], [5, 2], _times(0.001, 0.030, 0.001))
+    speedup = recorder.snapshot().speedup
+    assert speedup.speedup_estimate is None and speedup.decode_s == 0.0
+    assert (speedup.unestimated_decode_steps, speedup.modelled_decode_steps) == (5, 0)

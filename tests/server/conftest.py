@@ -71,10 +71,12 @@ class LiveServer:
 
 def _make_llm(model, tokenizer, registry: CollectorRegistry | None = None, **kw) -> LLM:
     spec = kw.pop("speculation", SpeculationConfig())
+    vllm_compat = kw.pop("vllm_compat", False)
     config = EngineConfig(speculation=spec, max_model_len=kw.pop("max_model_len", 256), **kw)
     sinks = []
     if registry is not None:
-        sinks.append(PrometheusSink(registry, MODEL_NAME, spec.method))
+        sinks.append(PrometheusSink(registry, MODEL_NAME, spec.method, spec.k_policy, vllm_compat=vllm_compat,
+                                     speculating=spec.enabled))
     return LLM.from_model(model, tokenizer, config, stats_sinks=sinks)
 
 

@@ -41,6 +41,7 @@ K_MAX = 4
 WINDOW = "[10m]"
 SELECTOR = '{model=~".*",proposer=~".*"}'
 REPLICA_SELECTOR = '{model=~".*",proposer=~".*",replica=~".*"}'
+DASHBOARD_SELECTOR = '{model=~".*",proposer=~".*",k_policy=~".*",replica=~".*"}'
 PHASES = ("propose", "verify", "sample")
 
 
@@ -93,6 +94,8 @@ def _panel_queries() -> list[tuple[str, str, str]]:
 
 def _concrete(expr: str) -> str:
     # The dashboard's replica variable at "All" (.*) also matches this single-process server's unlabelled series.
+    expr = expr.replace('{model=~"$model",proposer=~"$proposer",k_policy=~"$k_policy",replica=~"$replica"}',
+                        DASHBOARD_SELECTOR)
     expr = expr.replace('{model=~"$model",proposer=~"$proposer",replica=~"$replica"}', REPLICA_SELECTOR)
     expr = expr.replace(" S ", SELECTOR).replace('{model=~"$model",proposer=~"$proposer"}', SELECTOR)
     return expr.replace("[$__rate_interval]", WINDOW).replace("[5m]", WINDOW)
@@ -125,7 +128,7 @@ def scraped(tiny_model, tokenizer, start_server, tmp_path_factory):
     registry = CollectorRegistry()
     steps = StepLog()
     spec = SpeculationConfig(method="ngram", num_speculative_tokens=K_MAX, k_policy="heuristic")
-    sinks = [PrometheusSink(registry, MODEL, "ngram", vllm_compat=True), steps]
+    sinks = [PrometheusSink(registry, MODEL, "ngram", "heuristic", vllm_compat=True), steps]
     config = EngineConfig(speculation=spec, max_model_len=256, max_num_seqs=4, max_waiting=64)
     llm = LLM.from_model(tiny_model, tokenizer, config, stats_sinks=sinks)
     workdir = tmp_path_factory.mktemp("prometheus")
@@ -253,10 +256,13 @@ def _check(prometheus: Prometheus, at: float, name: str, expr: str, metrics: dic
     rate_seconds = 600.0  # WINDOW; with exact increases, rate = increase / the window's length
     if name in scalars:
         assert _close(prometheus.scalar(query, at), scalars[name]), (name, query)
-    elif name in ("per-position acceptance", "conditional acceptance"):
-        denominator = "drafted_at" if name == "per-position acceptance" else "reached_at"
+    elif name in ("per-position acceptance", "conditional acceptance", "per-position acceptance, vLLM-style"):
         actual = prometheus.by_label(query, "position", at)
-        expected = _expected_per_position(metrics, denominator)
+        if name == "per-position acceptance, vLLM-style":  # every draft in the denominator
+            expected = {str(j + 1): _ratio(a, counters["drafts"]) for j, a in enumerate(counters["accepted_at"])}
+        else:
+            denominator = "drafted_at" if name == "per-position acceptance" else "reached_at"
+            expected = _expected_per_position(metrics, denominator)
         assert actual.keys() == expected.keys(), name
         assert all(_close(actual[p], expected[p]) for p in expected), (name, actual, expected)
     elif name in ("accepted-length heatmap", "per-request tau heatmap"):
@@ -285,6 +291,7 @@ def _check(prometheus: Prometheus, at: float, name: str, expr: str, metrics: dic
 def test_every_docs_recipe_equals_the_recorder(scraped):
     prometheus, at, metrics, records = scraped
     assert metrics["counters"]["drafts"] > 0
+    assert metrics["counters"]["rejected_tokens"] > 0
     assert len(set(metrics["counters"]["drafted_at"])) > 1  # k varied: positions were reached unevenly
     assert metrics["speedup"]["decode_s"] > 0  # plain steps were measured: the speed-up recipe is not 0/0
     for name, expr in _recipes().items():
@@ -303,6 +310,8 @@ def test_vllm_compat_recipes_equal_the_recorder(scraped):
 
 # Each Grafana target, by (panel title, refId), is the same quantity as a docs recipe (or a token throughput).
 PANEL_QUANTITIES = {
+    "Per-position acceptance, vLLM-style": "per-position acceptance, vLLM-style",  # before its prefix below
+    "Speed-up estimate": "speed-up estimate",
     "Acceptance rate": "acceptance rate",
     "Mean acceptance length": "tau",
     "Per-position acceptance": "per-position acceptance",
@@ -320,7 +329,7 @@ def _panel_quantity(title: str, expr: str) -> str:
         return "mean proposed length" if "draft_tokens_total" in expr.split("/")[0] else "accepted tokens per draft"
     if title.startswith("Emitted per draft"):
         return "tokens per target forward" if "nonspec" in expr else "emitted per draft"
-    if title.startswith("Draft and accepted token throughput"):
+    if title.startswith(("Draft and accepted token throughput", "Drafting and wasted work")):
         counter = re.search(r"specd_spec_decode_(\w+)_total", expr)
         assert counter is not None
         return f"throughput:{counter.group(1)}"
@@ -333,9 +342,13 @@ def _panel_quantity(title: str, expr: str) -> str:
 def test_every_grafana_panel_query_equals_the_recorder(scraped):
     prometheus, at, metrics, records = scraped
     queries = _panel_queries()
-    assert len(queries) >= 15
+    assert len(queries) >= 20
     for title, _, expr in queries:
         _check(prometheus, at, _panel_quantity(title, expr), expr, metrics, records)
     # The dashboard's template variables resolve against the scraped series.
-    labels = prometheus.query('group by (model, proposer) (specd_spec_decode_steps_total)')
-    assert [(s["metric"]["model"], s["metric"]["proposer"]) for s in labels] == [(MODEL, "ngram")]
+    labels = prometheus.query('group by (model, proposer, k_policy) (specd_spec_decode_steps_total)')
+    assert [(s["metric"]["model"], s["metric"]["proposer"], s["metric"]["k_policy"]) for s in labels] == [
+        (MODEL, "ngram", "heuristic")]
+    # Every speculation series carries the configured k policy as its k_policy label.
+    assert prometheus.query('count({__name__=~"specd_spec_decode_.+"})', at)
+    assert prometheus.query('{__name__=~"specd_spec_decode_.+",k_policy!="heuristic"}', at) == []

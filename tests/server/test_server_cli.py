@@ -87,7 +87,7 @@ def test_serve_from_args_wiring(monkeypatch, tiny_model, tokenizer, caplog):
         models = client.get("/v1/models", headers={"Authorization": "Bearer k"}).json()
         assert [m["id"] for m in models["data"]] == ["m"]
         text = client.get("/metrics").text
-    assert 'specd_spec_decode_drafts_total{model="m",proposer="ngram"}' in text
+    assert 'specd_spec_decode_drafts_total{k_policy="heuristic",model="m",proposer="ngram"}' in text
     assert "vllm:spec_decode_num_drafts" in text
     assert "specd_num_requests_running" in text
 

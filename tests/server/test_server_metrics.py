@@ -13,7 +13,7 @@ def _spec(usage) -> dict:
 
 def test_spec_counters_equal_sum_of_usage(spec_server):
     model = spec_server.model
-    labels = (("model", model), ("proposer", "ngram"))
+    labels = (("k_policy", "heuristic"), ("model", model), ("proposer", "ngram"))
     names = ("drafts", "draft_tokens", "accepted_tokens", "emitted_tokens")
     before = spec_server.metrics()
     client = spec_server.client()
@@ -87,7 +87,7 @@ def test_n2_counts_one_http_request_and_two_choices(spec_server):
                    for reason in ("length", "stop"))
     assert finished == 3  # per choice
     # The usage of the n = 2 request sums both choices: with the single request it makes the Prometheus delta.
-    labels = (("model", model), ("proposer", "ngram"))
+    labels = (("k_policy", "heuristic"), ("model", model), ("proposer", "ngram"))
     for name in ("drafts", "draft_tokens", "accepted_tokens", "emitted_tokens"):
         summed = _spec(out.usage)[name] + _spec(single.usage)[name]
         assert delta(f"specd_spec_decode_{name}_total", labels) == summed, name

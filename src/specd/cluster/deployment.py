@@ -67,8 +67,9 @@ class SpecdReplica:
         self._spec = spec
         self._registry = CollectorRegistry()
         config = spec.config_for(self.replica, ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0))
-        sink = PrometheusSink(self._registry, model=spec.settings.model_name,
-                              proposer=config.speculation.method, vllm_compat=spec.vllm_compat_metrics)
+        sink = PrometheusSink(self._registry, model=spec.settings.model_name, proposer=config.speculation.method,
+                              k_policy=config.speculation.k_policy, vllm_compat=spec.vllm_compat_metrics,
+                              speculating=config.speculation.enabled)
         # Loaded on a thread that then exits, as `specd serve` does, so no OpenMP pool is left competing.
         self._llm = load_off_main_thread(lambda: spec.llm_factory(config, [sink]))
         self._app = build_app(self._llm, spec.settings, self._registry)

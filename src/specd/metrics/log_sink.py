@@ -76,6 +76,7 @@ def format_log_line(snapshot: SpecMetricsSnapshot, interval_s: float | None = No
         f"decode_s={snapshot.speedup.decode_s:.6f}",
         f"plain_decode_s={snapshot.speedup.plain_decode_s:.6f}",
         f"unestimated_decode_steps={snapshot.speedup.unestimated_decode_steps}",
+        f"modelled_decode_steps={snapshot.speedup.modelled_decode_steps}",
     ]
     if interval_s is not None:
         fields.append(f"interval_s={interval_s:.3f}")

@@ -4,8 +4,10 @@ Additive quantities are counters; ratios are left to PromQL (docs/metrics.md has
 per-step counters and the accepted-length histogram are kept as running integer cells and turned into
 metric families at scrape time (a custom collector), so a step costs a few list increments instead of
 dozens of locked Counter.inc() calls, and a scrape always sees one consistent step boundary. Labels are
-`model` and `proposer` on everything, never per request. With vllm_compat=True the vLLM-v1 names
-(`vllm:spec_decode_*`, labels model_name and engine, 0-based position) are exported as well.
+`model`, `proposer` and `k_policy` (the engine's configured k policy) on everything, never per request. With
+vllm_compat=True the vLLM-v1 names (`vllm:spec_decode_*`, labels model_name and engine, 0-based position) are
+exported as well, but only while the engine speculates (`speculating`): vLLM has no spec families with
+speculation off either.
 """
 
 from __future__ import annotations
@@ -48,17 +50,27 @@ class PrometheusSink:
         registry: CollectorRegistry,
         model: str,
         proposer: str,
+        k_policy: str,
         vllm_compat: bool = False,
         vllm_engine: str = "0",
         phase_buckets: Sequence[float] = DEFAULT_PHASE_BUCKETS,
+        speculating: bool = True,
     ) -> None:
-        """Nothing is registered until the recorder binds the sink (its k_max sizes every family)."""
+        """Nothing is registered until the recorder binds the sink (its k_max sizes every family).
+
+        k_policy: the engine's configured k policy, the `k_policy` label of every family (requests that pick
+        another policy with SpecOverride count under it too: the recorder does not split by policy).
+        speculating: False when the engine runs with speculation off: then no vllm:spec_decode_* family exists.
+        """
         if list(phase_buckets) != sorted(set(phase_buckets)) or not phase_buckets:
             raise ValueError("phase_buckets: must be a non-empty strictly increasing sequence")
+        for name, value in (("model", model), ("proposer", proposer), ("k_policy", k_policy)):
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"{name}: must be a non-empty string (a label value), got {value!r}")
         self._registry = registry
         self._phase_buckets = tuple(phase_buckets)
-        self._labels = {"model": model, "proposer": proposer}
-        self._vllm_labels = {"model_name": model, "engine": vllm_engine} if vllm_compat else None
+        self._labels = {"model": model, "proposer": proposer, "k_policy": k_policy}
+        self._vllm_labels = {"model_name": model, "engine": vllm_engine} if vllm_compat and speculating else None
         self._lock = threading.Lock()
         self._recorder: SpecStatsRecorder | None = None
         self._steps = 0
@@ -74,7 +86,8 @@ class PrometheusSink:
         """Take k_max from the recorder and register in the registry (once: a sink serves one recorder)."""
         if self._recorder is not None:
             raise ValueError("recorder: this PrometheusSink is already bound to a recorder")
-        model, proposer = self._labels["model"], self._labels["proposer"]
+        label_names = tuple(self._labels)
+        label_values = tuple(self._labels.values())
         registry = self._registry
         self.k_max = recorder.k_max
         self._cells = CounterCells(recorder.k_max)
@@ -83,21 +96,21 @@ class PrometheusSink:
         phase = Histogram(
             f"{NAMESPACE}_phase_seconds",
             "Seconds per step spent in each speculation phase.",
-            labelnames=("model", "proposer", "phase"),
+            labelnames=(*label_names, "phase"),
             buckets=self._phase_buckets,
             registry=registry,
         )
-        self._propose = phase.labels(model, proposer, "propose")
-        self._verify = phase.labels(model, proposer, "verify")
-        self._sample = phase.labels(model, proposer, "sample")
-        self._prefill = phase.labels(model, proposer, "prefill")
+        self._propose = phase.labels(*label_values, "propose")
+        self._verify = phase.labels(*label_values, "verify")
+        self._sample = phase.labels(*label_values, "sample")
+        self._prefill = phase.labels(*label_values, "prefill")
         self._request_tau = Histogram(
             f"{NAMESPACE}_request_mean_acceptance_length",
             "Mean acceptance length (tau = 1 + accepted/drafts) of each finished request that drafted.",
-            labelnames=("model", "proposer"),
+            labelnames=label_names,
             buckets=tau_bucket_bounds(recorder.k_max),
             registry=registry,
-        ).labels(model, proposer)
+        ).labels(*label_values)
 
     # StatsSink -----------------------------------------------------------------------------------
     def on_step(self, record: StepRecord) -> None:

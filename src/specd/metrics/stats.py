@@ -22,7 +22,7 @@ import torch
 from specd.metrics.fanout import SinkFanout, StatsSink
 from specd.metrics.records import K0_CAUSES, K0Cause, SpecCounters, StepDetail, StepPhaseTimes, StepRecord, StepTotals
 from specd.metrics.snapshots import PerRequestAggregates, RequestSpecStats, SpecMetricsSnapshot
-from specd.metrics.speedup import PlainStepCost, SpeedupTotals
+from specd.metrics.speedup import PlainStepCost, SpeedupTotals, VerifyStepCost
 
 __all__ = [
     "CounterCells",
@@ -152,6 +152,7 @@ class SpecStatsRecorder:
         self._detail: dict[str, list[StepDetail]] = {}
         self._base = SpecMetricsSnapshot.zero(k_max)  # every closed interval, summed
         self._plain_cost = PlainStepCost()  # all-time: the speed-up estimate's denominator model
+        self._verify_cost = VerifyStepCost()  # all-time: its fallback before any plain step is measured
         self._reset_interval()
         for sink in self._sinks:
             sink.bind(self)
@@ -178,6 +179,7 @@ class SpecStatsRecorder:
         self._interval_decode_s = 0.0  # the speed-up sums (metrics/speedup.py)
         self._interval_plain_decode_s = 0.0
         self._interval_unestimated_decode_steps = 0
+        self._interval_modelled_decode_steps = 0
 
     def record_step(
         self,
@@ -327,12 +329,19 @@ class SpecStatsRecorder:
         num_seqs = len(num_draft)
         if not num_seqs:
             return 0.0, 0.0
-        if not num_prefill_tokens and not any(num_draft):
-            self._plain_cost.observe(num_seqs, times.verify_s + times.sample_s)
+        if not num_prefill_tokens:
+            num_drafted = sum(num_draft)
+            if num_drafted:
+                self._verify_cost.observe(num_seqs + num_drafted, times.verify_s + times.sample_s)
+            else:
+                self._plain_cost.observe(num_seqs, times.verify_s + times.sample_s)
         plain_step_s = self._plain_cost.estimate(num_seqs)
         if plain_step_s is None:
-            self._interval_unestimated_decode_steps += 1
-            return 0.0, 0.0
+            plain_step_s = self._verify_cost.estimate(num_seqs)
+            if plain_step_s is None:
+                self._interval_unestimated_decode_steps += 1
+                return 0.0, 0.0
+            self._interval_modelled_decode_steps += 1
         decode_s = times.propose_s + times.verify_s + times.sample_s
         plain_decode_s = plain_step_s * sum(num_emitted) / num_seqs
         self._interval_decode_s += decode_s
@@ -391,7 +400,8 @@ class SpecStatsRecorder:
             self._interval_draft_tokens_computed,
         )
         speedup = SpeedupTotals(
-            self._interval_decode_s, self._interval_plain_decode_s, self._interval_unestimated_decode_steps
+            self._interval_decode_s, self._interval_plain_decode_s, self._interval_unestimated_decode_steps,
+            self._interval_modelled_decode_steps,
         )
         return SpecMetricsSnapshot(self._interval.freeze(), totals, self._interval_requests, speedup)
 

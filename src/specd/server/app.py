@@ -61,7 +61,7 @@ def build_app(llm: LLM, settings: ServerSettings, registry: CollectorRegistry) -
     `registry` is exported at /metrics; request metrics are added to it here (speculation metrics come
     from a PrometheusSink the caller registered in it when building `llm`).
     """
-    metrics = RequestMetrics(registry, settings.model_name)
+    metrics = RequestMetrics(registry, settings.model_name, vllm_compat=settings.vllm_compat_metrics)
     engine = AsyncEngine(llm, metrics)
     serving = OpenAIServing(llm, engine, settings.model_name, settings.queue_timeout_s,
                             split_special_tokens=not settings.parse_special_tokens)
@@ -196,7 +196,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                    "served) before 503 (0 = 503 at once)")
     g.add_argument("--served-model-name", default=None, help="the `model` clients send (default: --model)")
     g.add_argument("--vllm-compat-metrics", action="store_true",
-                   help="also export vllm:spec_decode_* metric names")
+                   help="also export vLLM's metric names: vllm:spec_decode_* (while speculating) and the request "
+                   "metrics specd measures (vllm:e2e_request_latency_seconds, vllm:generation_tokens_total, ...)")
     g.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds in-flight requests get to finish on shutdown; then streams end with an error "
                    "event and the rest get 503")
@@ -263,6 +264,7 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         cors_allow_origins=tuple(args.cors_allow_origin),
         queue_timeout_s=args.queue_timeout,
         parse_special_tokens=args.parse_special_tokens,
+        vllm_compat_metrics=args.vllm_compat_metrics,
     )
 
 
@@ -278,7 +280,9 @@ def serve_from_args(args: argparse.Namespace) -> int:
         registry,
         model=settings.model_name,
         proposer=config.speculation.method,
-        vllm_compat=args.vllm_compat_metrics,
+        k_policy=config.speculation.k_policy,
+        vllm_compat=settings.vllm_compat_metrics,
+        speculating=config.speculation.enabled,
     )
     started = time.perf_counter()
     llm = load_off_main_thread(lambda: LLM.from_config(config, [sink]))

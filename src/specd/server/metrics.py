@@ -4,6 +4,9 @@ Engine figures are written from the engine thread (gauges after each step, histo
 when a request finishes), so they are measured on the engine's clock: TTFT runs from `add_request` to
 the first emitted token and excludes HTTP parsing and tokenization. Only the error counter is
 written from the HTTP side (prometheus_client metrics are thread-safe).
+
+With vllm_compat the figures that have a vLLM v1 counterpart are written under vLLM's names too (labels
+`model_name` and `engine`, as vLLM's), with the same values: the same observation goes to both.
 """
 
 from __future__ import annotations
@@ -16,10 +19,38 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 
 
-class RequestMetrics:
-    """specd_* request metrics in a caller-owned registry, labelled by served model name."""
+class _VllmRequestMetrics:
+    """vLLM v1's names for the request figures specd measures (docs/metrics.md "vLLM compatibility")."""
 
-    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+    def __init__(self, registry: CollectorRegistry, model_name: str, engine: str) -> None:
+        labels = ("model_name", "engine")
+        values = (model_name, engine)
+        self.running = Gauge("vllm:num_requests_running", "Number of requests in model execution batches.",
+                             labels, registry=registry).labels(*values)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.",
+                             labels, registry=registry).labels(*values)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.",
+                                     labels, registry=registry).labels(*values)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.",
+                                         labels, registry=registry).labels(*values)
+        self.success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                               (*labels, "finished_reason"), registry=registry)
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              labels, buckets=_LATENCY_BUCKETS, registry=registry).labels(*values)
+        self.tpot = Histogram("vllm:request_time_per_output_token_seconds",
+                              "Histogram of time_per_output_token_seconds per request.",
+                              labels, buckets=_TPOT_BUCKETS, registry=registry).labels(*values)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+                             labels, buckets=_LATENCY_BUCKETS, registry=registry).labels(*values)
+        self.values = values
+
+
+class RequestMetrics:
+    """specd_* request metrics in a caller-owned registry, labelled by served model name (and vLLM's names of
+    the same figures with vllm_compat)."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str, vllm_compat: bool = False,
+                 vllm_engine: str = "0") -> None:
         labels = ("model",)
         self._running = Gauge(
             "specd_num_requests_running", "Requests holding a KV slot (prefilling or decoding).",
@@ -81,12 +112,16 @@ class RequestMetrics:
             ("model", "code"), registry=registry,
         )
         self._model_name = model_name
+        self._vllm = _VllmRequestMetrics(registry, model_name, vllm_engine) if vllm_compat else None
 
     def set_engine_state(self, num_running: int, num_waiting: int, kv_used_slots: int, num_in_line: int = 0) -> None:
         self._running.set(num_running)
         self._waiting.set(num_waiting)
         self._kv_used.set(kv_used_slots)
         self._in_line.set(num_in_line)
+        if self._vllm is not None:
+            self._vllm.running.set(num_running)
+            self._vllm.waiting.set(num_waiting)
 
     def observe_admitted(self, num_choices: int) -> None:
         """Record one HTTP request whose num_choices engine requests were all added to the engine."""
@@ -95,18 +130,31 @@ class RequestMetrics:
 
     def observe_finished(self, delta: RequestDelta) -> None:
         """Record one finished engine request from its final delta."""
-        self._finished.labels(self._model_name, delta.finish_reason or "unknown").inc()
+        vllm = self._vllm
+        reason = delta.finish_reason or "unknown"
+        self._finished.labels(self._model_name, reason).inc()
         self._prompt_tokens.inc(delta.num_prompt_tokens)
         self._generation_tokens.inc(delta.num_output_tokens)
+        if vllm is not None:
+            vllm.success.labels(*vllm.values, reason).inc()
+            vllm.prompt_tokens.inc(delta.num_prompt_tokens)
+            vllm.generation_tokens.inc(delta.num_output_tokens)
         timings = delta.timings
         if timings is None:
             return
         if timings.ttft_s is not None:
             self._ttft.observe(timings.ttft_s)
+            if vllm is not None:
+                vllm.ttft.observe(timings.ttft_s)
         if timings.e2e_s is not None:
             self._e2e.observe(timings.e2e_s)
+            if vllm is not None:
+                vllm.e2e.observe(timings.e2e_s)
         if timings.first_token_time is not None and timings.finish_time is not None and delta.num_output_tokens > 1:
-            self._tpot.observe((timings.finish_time - timings.first_token_time) / (delta.num_output_tokens - 1))
+            tpot_s = (timings.finish_time - timings.first_token_time) / (delta.num_output_tokens - 1)
+            self._tpot.observe(tpot_s)
+            if vllm is not None:
+                vllm.tpot.observe(tpot_s)
 
     def observe_error(self, code: str) -> None:
         self._errors.labels(self._model_name, code).inc()

@@ -28,6 +28,8 @@ class ServerSettings:
         come first served, before 503 (0: 503 at once).
     parse_special_tokens: read control-token strings (`<|im_end|>`) in prompts and message contents as
         control tokens; off by default, when they are plain text and a client cannot forge chat turns.
+    vllm_compat_metrics: /metrics also exports vLLM v1's names of the request metrics specd measures (and the
+        speculation sink, built by the caller, its vllm:spec_decode_* names while speculating).
     """
 
     model_name: str
@@ -41,6 +43,7 @@ class ServerSettings:
     cors_allow_origins: tuple[str, ...] = ()
     queue_timeout_s: float = 30.0
     parse_special_tokens: bool = False
+    vllm_compat_metrics: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_name, str) or not self.model_name:
