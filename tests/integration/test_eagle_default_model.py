@@ -29,15 +29,19 @@ def test_shipped_head_is_small_and_documents_its_command() -> None:
         assert config["training"]["command"].startswith("specd train-draft")
 
 
-@pytest.mark.parametrize("method", ["eagle", "hybrid"])
+@pytest.mark.parametrize("method", ["eagle", "hybrid", "layerskip"])
 def test_eagle_on_the_default_model_is_lossless_and_accepts(method: str) -> None:
     # One sequence at a time: a token's logits then do not depend on whether it was decoded alone or verified among
-    # drafts (every kernel computes a row on its own), so equality is exact. Across a batch of sequences of unequal
-    # lengths attention's padded reductions differ by rounding, which can flip near-ties (bench/lossless.py).
+    # drafts (every kernel computes a row on its own, attention included), so equality is exact. Across a batch of
+    # sequences of unequal lengths attention's padded reductions differ by rounding, which can flip near-ties
+    # (bench/lossless.py). With specd's native kernels on (the default where they build), all three differed from
+    # plain decoding at the chat prompt's 12th token until attention's bmm stopped rounding a verified row
+    # differently from the same row alone (tests/model/test_forward.py).
     llm = LLM("default", speculation=SpeculationConfig(method=method, num_speculative_tokens=4),
               max_num_seqs=1, max_model_len=512)
     proposer = llm.engine.speculator.proposer
-    assert isinstance(proposer if method == "eagle" else proposer.model, EagleProposer)
+    if method != "layerskip":
+        assert isinstance(proposer if method == "eagle" else proposer.model, EagleProposer)
     prompts = [p for kind in ("chat", "rewrite") for p in prompts_of(kind)[:1]]
     ids = [llm.tokenizer.encode_chat(p.messages) for p in prompts]
     params = SamplingParams(max_tokens=48, temperature=0.0)
@@ -47,6 +51,8 @@ def test_eagle_on_the_default_model_is_lossless_and_accepts(method: str) -> None
     assert [o.outputs[0].token_ids for o in spec] == [o.outputs[0].token_ids for o in plain]
     counters = llm.get_metrics()["counters"]
     assert counters["drafts"] > 0
+    if method == "layerskip":
+        return  # a quarter of the layers drafts poorly: equality above is what this method is here for
     # A random head over 8192 of 49152 tokens accepts ~never; the shipped one accepted 15 of 78 drafts here (0.19
     # tokens per draft; 0.33 per draft on its held-out answers).
     assert counters["accepted_tokens"] / counters["drafts"] > 0.1

@@ -117,6 +117,32 @@ def test_ragged_batch_equals_each_alone():
         offset += len(news[i])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_verified_query_row_attends_exactly_as_it_does_alone(dtype):
+    # Greedy speculation is lossless only if a token verified among k + 1 rows gets the result plain decoding gives
+    # it. A verification attends over kv_len = its last row's length, later keys masked for earlier rows; torch's
+    # bmm blocks that reduction by kv_len, so the masked zeros moved the rounding of almost every float32 row and
+    # of ~1 bfloat16 row in 200 (enough to flip the default model's 12th output token under layerskip, eagle
+    # and hybrid). The default model's attention shape: 9 query heads over 3 KV heads of 64.
+    from specd.model.attention import AttentionMetadata, attend
+
+    torch.manual_seed(3)
+    num_heads, num_kv_heads, head_dim, max_len = 9, 3, 64, 400
+    cache = KVCache(1, num_kv_heads, head_dim, max_slots=1, max_len=max_len, dtype=dtype)
+    slot = cache.allocate()
+    cache.reserve(max_len)
+    cache.kv[0].copy_(torch.randn(cache.kv[0].shape) * 2)
+    query = (torch.randn(max_len, num_heads, head_dim) * 0.5).to(dtype)  # [positions, heads, head_dim]
+    for start in range(20, max_len - 8, 7):
+        num_rows = start % 8 + 2  # drafts of 1..8 tokens
+        batch = ForwardBatch.build([[0] * num_rows], [slot], [start], [[]])
+        together = attend(query[start : start + num_rows], cache, 0, AttentionMetadata.build(batch), scale=1.0)
+        for i in range(num_rows):
+            alone_batch = ForwardBatch.build([[0]], [slot], [start + i], [[]])
+            alone = attend(query[start + i : start + i + 1], cache, 0, AttentionMetadata.build(alone_batch), scale=1.0)
+            assert torch.equal(together[i : i + 1], alone), (start, num_rows, i)
+
+
 def test_decode_rows_beside_a_long_prefill_chunk_attend_apart_and_equal_the_reference():
     from specd.model.attention import GROUPED_MAX_NEW, AttentionMetadata
 
@@ -224,7 +250,7 @@ def int4_backend(request, monkeypatch):
     if request.param == "torch":
         monkeypatch.setattr(specd.kernels, "native", lambda: None)
         return request.param
-    monkeypatch.setenv(specd.kernels.ENV_VAR, "1")  # opt-in (off by default: see specd/kernels/__init__.py)
+    monkeypatch.setenv(specd.kernels.ENV_VAR, "1")  # on, even where the environment running the tests opted out
     specd.kernels.native.cache_clear()
     request.addfinalizer(specd.kernels.native.cache_clear)
     if specd.kernels.native() is None:

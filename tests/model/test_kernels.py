@@ -130,14 +130,25 @@ def test_a_failed_build_warns_once_and_returns_none(monkeypatch):
         specd.kernels.native.cache_clear()
 
 
-@pytest.mark.parametrize("setting", ["0", ""])
-def test_the_kernels_are_off_unless_asked_for(monkeypatch, setting):
+@pytest.mark.parametrize("setting", ["0", "off"])
+def test_the_kernels_are_off_when_opted_out(monkeypatch, setting):
     monkeypatch.setenv(specd.kernels.ENV_VAR, setting)
     specd.kernels.native.cache_clear()
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             assert specd.kernels.native() is None
+    finally:
+        specd.kernels.native.cache_clear()
+
+
+def test_the_kernels_are_on_by_default(monkeypatch, native):
+    # `native` (the fixture) skips where no compiler builds them; there the default falls back to torch's kernels.
+    monkeypatch.delenv(specd.kernels.ENV_VAR, raising=False)
+    specd.kernels.native.cache_clear()
+    try:
+        module = specd.kernels.native()
+        assert module is not None and module.uses_avx2() == specd.kernels.cpu_has_avx2()
     finally:
         specd.kernels.native.cache_clear()
 

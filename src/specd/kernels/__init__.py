@@ -6,11 +6,11 @@ source version; later processes load the cached library in milliseconds. The ins
 build time: AVX2 + FMA + F16C intrinsics where /proc/cpuinfo lists all three, the scalar C++ loops otherwise
 (each under its own extension name, so the two builds never overwrite each other).
 
-The kernels are OFF by default: with them, greedy speculative decoding in int4 was found (late in the session that
-built them) to differ from plain int4 decoding on the default model, although every kernel row was checked to be
-computed independently of the others -- a defect not yet understood, and speculation must be lossless. Opt in with
-SPECD_NATIVE_KERNELS=1 (=scalar builds and uses the scalar loops even on an AVX2 CPU); unset or 0, the model keeps
-torch's int4/int8 kernels. A failed build warns once and returns None: callers fall back to the torch path.
+The kernels are ON by default wherever they build: SPECD_NATIVE_KERNELS=0 opts out (the model then keeps torch's
+int4/int8 kernels), =scalar builds and uses the scalar loops even on an AVX2 CPU. A failed build warns once and
+returns None: callers fall back to the torch path. (Session 5 shipped them off, because greedy speculation differed
+from plain int4 decoding with them on; the cause was in attention, not here: torch's bmm rounded a verified row
+differently from the same row decoded alone, see model/attention.py.)
 """
 
 from __future__ import annotations
@@ -52,11 +52,11 @@ def build(isa: str) -> ModuleType:
 
 @functools.cache
 def native() -> ModuleType | None:
-    """The kernels module for this CPU, or None (off unless SPECD_NATIVE_KERNELS=1/scalar, or the build failed)."""
+    """The kernels module for this CPU, or None (SPECD_NATIVE_KERNELS=0, or the build failed)."""
     setting = os.environ.get(ENV_VAR, "").strip().lower()
-    if setting in ("", "0", "off", "false", "no"):
+    if setting in ("0", "off", "false", "no"):
         return None
-    if setting not in ("1", "on", "scalar"):
+    if setting not in ("", "1", "on", "scalar"):
         warnings.warn(f"{ENV_VAR}={setting!r} is not 0, 1 or scalar; kernels off", stacklevel=2)
         return None
     isa = "scalar" if setting == "scalar" or not cpu_has_avx2() else "avx2"

@@ -182,16 +182,24 @@ def _grouped_attention(
     batch, rows = num_seqs * num_kv_heads, group * max_new
     # Head h reads KV head h // group (the repeat_kv convention), so heads are grouped contiguously. Plain bmm
     # on 3-d views: matmul on 4-d operands costs several more dispatches per call, paid 2 x num_layers per step.
-    qg = q.reshape(batch, rows, head_dim)
-    scores = torch.bmm(qg, keys.reshape(batch, kv_len, head_dim).transpose(1, 2))  # [batch, rows, kv_len]
+    # Both products run in float64, whatever the model's dtype. A query row must get the same bits alone (plain
+    # decoding: kv_len = its own length) as among a verification's rows (kv_len = the last row's length, the rest
+    # masked to 0): greedy speculation is lossless only then. Torch's bfloat16 and float32 bmm kernels block the
+    # kv_len reduction by its size, so the masked zeros move the rounding (float32: most rows; bfloat16: ~1 row
+    # in 200, enough to flip a token of the default model every few dozen). In float64 the products of bfloat16
+    # or float32 inputs are exact and the sums carry ~29 bits more than the result keeps, so the one rounding to
+    # the output dtype sees the same value either way. On AVX2 CPUs without bfloat16 units it is also 1.6-6x
+    # faster than the bfloat16 bmm (docs/benchmarks.md).
+    qg = q.reshape(batch, rows, head_dim).double()
+    scores = torch.bmm(qg, keys.reshape(batch, kv_len, head_dim).double().transpose(1, 2))  # [batch, rows, kv_len]
+    scores = scores.to(torch.promote_types(q.dtype, torch.float32))
     if additive_mask is not None:
-        # The float32 mask makes the sum (and the softmax) at least float32.
         masked = torch.add(additive_mask, scores.view(num_seqs, num_kv_heads, group, max_new, kv_len))
         probs = torch.softmax(masked, dim=-1)
     else:
-        probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
-    out = torch.bmm(probs.to(values.dtype).view(batch, rows, kv_len), values.reshape(batch, kv_len, head_dim))
-    return out.view(num_seqs, num_heads, max_new, head_dim).transpose(1, 2)
+        probs = torch.softmax(scores, dim=-1)
+    out = torch.bmm(probs.view(batch, rows, kv_len).double(), values.reshape(batch, kv_len, head_dim).double())
+    return out.to(values.dtype).view(num_seqs, num_heads, max_new, head_dim).transpose(1, 2)
 
 
 def write_kv(
