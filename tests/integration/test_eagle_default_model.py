@@ -37,7 +37,10 @@ def test_eagle_on_the_default_model_is_lossless_and_accepts(method: str) -> None
     # (bench/lossless.py). With specd's native kernels on (the default where they build), all three differed from
     # plain decoding at the chat prompt's 12th token until attention's bmm stopped rounding a verified row
     # differently from the same row alone (tests/model/test_forward.py).
-    llm = LLM("default", speculation=SpeculationConfig(method=method, num_speculative_tokens=4),
+    # layerskip drafts with 2 of the 30 layers: cheap, and its verification forwards are what this checks
+    draft_layers = 2 if method == "layerskip" else None
+    llm = LLM("default", speculation=SpeculationConfig(method=method, num_speculative_tokens=4,
+                                                       draft_layers=draft_layers),
               max_num_seqs=1, max_model_len=512)
     proposer = llm.engine.speculator.proposer
     if method != "layerskip":
