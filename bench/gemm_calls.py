@@ -1,7 +1,7 @@
 """specd's native q4/q8 GEMM kernels vs torch's int4/int8 weight-only kernels, per call, on the default
 model's matrix shapes.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/kernels.py [--rows 1 8 64]
+    OMP_NUM_THREADS=1 .venv/bin/python bench/gemm_calls.py [--rows 1 8 64]
 
 CPU time per call (time.process_time over repeated calls, after warm-up): on a machine that other jobs load
 it moves far less than wall time. Random weights (the kernels' cost does not depend on the values);
