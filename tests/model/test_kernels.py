@@ -167,3 +167,29 @@ def test_an_int4_model_without_the_kernels_uses_torchs(monkeypatch):
     assert proj.q4 is None and proj.int4 is not None
     logits = model.compute_logits(torch.randn(2, 64).bfloat16())
     assert logits.shape == (2, 320) and torch.isfinite(logits).all()
+
+
+def test_a_build_lock_left_by_a_killed_build_is_removed_while_a_live_build_is_waited_for(tmp_path, monkeypatch):
+    import fcntl
+
+    from torch.utils import cpp_extension
+
+    import specd.kernels as kernels_pkg
+
+    (tmp_path / "lock").touch()  # torch's baton, left by a build that was killed: torch would wait on it forever
+    seen: dict[str, bool] = {}
+
+    def fake_load(**kwargs: object) -> str:
+        seen["stale lock present"] = (tmp_path / "lock").exists()
+        with open(tmp_path / "specd-build.flock") as other:  # another specd process cannot build meanwhile
+            try:
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                seen["another process could lock"] = True
+            except BlockingIOError:
+                seen["another process could lock"] = False
+        return "module"
+
+    monkeypatch.setattr(kernels_pkg, "build_directory", lambda name: tmp_path)
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    assert kernels_pkg.load_extension("specd_test_ext", tmp_path / "x.cpp", ["-O3"]) == "module"
+    assert seen == {"stale lock present": False, "another process could lock": False}

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import os
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
@@ -43,11 +44,38 @@ def build(isa: str) -> ModuleType:
     """Compile (or load from torch's cache) the extension for `isa` ("avx2" or "scalar"). Raises on failure."""
     if isa not in ("avx2", "scalar"):
         raise ValueError(f"isa: {isa!r} is not 'avx2' or 'scalar'")
-    from torch.utils import cpp_extension  # deferred: importing it costs ~0.3 s
 
     flags = ["-O3", "-mavx2", "-mfma", "-mf16c"] if isa == "avx2" else ["-O3", "-DSPECD_SCALAR"]
-    return cpp_extension.load(name=f"specd_quant_gemm_{isa}", sources=[str(_SOURCE)], extra_cflags=flags,
-                              verbose=False)
+    return load_extension(f"specd_quant_gemm_{isa}", _SOURCE, flags)
+
+
+def build_directory(name: str) -> Path:
+    """Where torch.utils.cpp_extension builds and caches extension `name` (TORCH_EXTENSIONS_DIR or its default)."""
+    from torch.utils import cpp_extension
+
+    return Path(cpp_extension._get_build_directory(name, verbose=False))
+
+
+def load_extension(name: str, source: Path, cflags: list[str], ldflags: Sequence[str] = ()) -> ModuleType:
+    """cpp_extension.load under a lock the kernel releases when its holder dies.
+
+    torch's own build lock is a `lock` file in the build directory, removed by the process that made it: a build
+    killed mid-way (a stopped test run, an OOM kill) leaves it behind, and every later process waits on it forever,
+    so specd would hang at start-up. Here each specd process first takes an flock on a file of its own; the kernel
+    drops it when the holder exits in any way. Holding it, no other specd build can be running, so a `lock` file
+    found then was left by a dead build and is removed before torch looks at it.
+    """
+    import fcntl
+
+    from torch.utils import cpp_extension
+
+    directory = build_directory(name)
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / "specd-build.flock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # waits while another process builds; never for a dead one
+        (directory / "lock").unlink(missing_ok=True)
+        return cpp_extension.load(name=name, sources=[str(source)], extra_cflags=cflags,
+                                  extra_ldflags=list(ldflags), verbose=False)
 
 
 @functools.cache

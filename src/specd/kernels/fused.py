@@ -21,7 +21,7 @@ from types import ModuleType
 
 import torch
 
-from specd.kernels import ENV_VAR, cpu_has_avx2
+from specd.kernels import ENV_VAR, cpu_has_avx2, load_extension
 
 _SOURCE = Path(__file__).with_name("fused_ops.cpp")
 _OFF = ("0", "off", "false", "no")
@@ -31,13 +31,11 @@ def build(isa: str) -> ModuleType:
     """Compile (or load from torch's cache) the fused ops for `isa` ("avx2" or "scalar"). Raises on failure."""
     if isa not in ("avx2", "scalar"):
         raise ValueError(f"isa: {isa!r} is not 'avx2' or 'scalar'")
-    from torch.utils import cpp_extension  # deferred: importing it costs ~0.3 s
 
     # -ffp-contract=off: the scalar arithmetic rounds where the source says, as torch's composite does.
     flags = ["-O3", "-ffp-contract=off", "-fopenmp"]
     flags += ["-mavx2", "-mfma"] if isa == "avx2" else ["-DSPECD_SCALAR"]
-    return cpp_extension.load(name=f"specd_fused_ops_{isa}", sources=[str(_SOURCE)], extra_cflags=flags,
-                              extra_ldflags=["-fopenmp"], verbose=False)
+    return load_extension(f"specd_fused_ops_{isa}", _SOURCE, flags, ["-fopenmp"])
 
 
 @functools.cache
