@@ -14,7 +14,7 @@ test: setup
 	.venv/bin/python -m pytest -q
 
 serve: setup
-	.venv/bin/specd serve --spec ngram --num-spec-tokens 8 --k-policy goodput
+	.venv/bin/specd serve --spec ngram --num-spec-tokens 8 --k-policy adaptive
 
 lint:
 	.venv/bin/ruff check src tests bench
