@@ -236,3 +236,22 @@ def random_draft_head(target: LlamaForCausalLM, draft_vocab_size: int | None = N
             if p.requires_grad:
                 p.add_(torch.randn(p.shape, generator=noise) * 0.02)
     return head.for_inference(target.dtype)
+
+
+class CountingModel:
+    """Test helper: wraps a draft model; counts forward calls and the rows of logits they returned (one per drafting
+    sequence)."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.calls = 0
+        self.rows = 0
+
+    def make_cache(self, *args: Any, **kwargs: Any) -> Any:
+        return self.model.make_cache(*args, **kwargs)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        logits = self.model(*args, **kwargs)  # [num_active, vocab_size]
+        self.calls += 1
+        self.rows += logits.shape[0]
+        return logits

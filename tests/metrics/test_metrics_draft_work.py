@@ -6,9 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from typing import Any
 
-import torch
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -19,25 +17,7 @@ from specd.metrics.prometheus_sink import PrometheusSink
 from specd.metrics.trace import read_trace, recount
 from specd.sampling.params import SamplingParams
 from specd.speculation.draft import DraftModelProposer
-from specd.testing import parse_log_line
-
-
-class CountingModel:
-    """Wraps the draft model: counts forward calls and the rows of logits they returned."""
-
-    def __init__(self, model: Any) -> None:
-        self.model = model
-        self.calls = 0
-        self.rows = 0
-
-    def make_cache(self, *args: Any, **kwargs: Any) -> Any:
-        return self.model.make_cache(*args, **kwargs)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        logits = self.model(*args, **kwargs)  # [num_active, vocab_size]
-        self.calls += 1
-        self.rows += logits.shape[0]
-        return logits
+from specd.testing import CountingModel, parse_log_line
 
 
 class _Capture(logging.Handler):

@@ -4,7 +4,6 @@ once) and draft positions computed, a position a stop rule dropped included; pro
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import torch
 
@@ -14,7 +13,7 @@ from specd.speculation.eagle import EagleProposer
 from specd.speculation.hybrid import HybridProposer
 from specd.speculation.ngram import NgramConfig, NgramProposer
 from specd.speculation.proposer import SequenceView
-from specd.testing import random_draft_head
+from specd.testing import CountingModel, random_draft_head
 
 TOKENS = ([3, 4, 5, 6, 7, 9, 3, 4, 5], [10, 11, 12, 13, 14])
 
@@ -28,23 +27,6 @@ class StopAt:
     def stop(self, position: int, top_prob: float) -> bool:
         return position >= self.position
 
-
-class CountingModel:
-    """Wraps a model; counts forward calls and the rows of logits they returned (one per drafting sequence)."""
-
-    def __init__(self, model: Any) -> None:
-        self.model = model
-        self.calls = 0
-        self.rows = 0
-
-    def make_cache(self, *args: Any, **kwargs: Any) -> Any:
-        return self.model.make_cache(*args, **kwargs)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        logits = self.model(*args, **kwargs)  # [num_active, vocab_size]
-        self.calls += 1
-        self.rows += logits.shape[0]
-        return logits
 
 
 def _views(stops: Sequence[StopAt | None] = (None, None)) -> list[SequenceView]:
