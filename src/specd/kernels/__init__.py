@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
 
@@ -81,18 +81,24 @@ def load_extension(name: str, source: Path, cflags: list[str], ldflags: Sequence
 @functools.cache
 def native() -> ModuleType | None:
     """The kernels module for this CPU, or None (SPECD_NATIVE_KERNELS=0, or the build failed)."""
+    return build_or_fall_back(build, "native CPU kernels", "torch's slower int4/int8 kernels")
+
+
+def build_or_fall_back(build_isa: Callable[[str], ModuleType], what: str, fallback: str) -> ModuleType | None:
+    """`build_isa` for this CPU as SPECD_NATIVE_KERNELS says, or None: off, or the build failed (warned once by the
+    caller's cache), so the caller runs `fallback`."""
     setting = os.environ.get(ENV_VAR, "").strip().lower()
     if setting in ("0", "off", "false", "no"):
         return None
     if setting not in ("", "1", "on", "scalar"):
-        warnings.warn(f"{ENV_VAR}={setting!r} is not 0, 1 or scalar; kernels off", stacklevel=2)
+        warnings.warn(f"{ENV_VAR}={setting!r} is not 0, 1 or scalar; {what} off", stacklevel=3)
         return None
     isa = "scalar" if setting == "scalar" or not cpu_has_avx2() else "avx2"
     try:
-        return build(isa)
+        return build_isa(isa)
     except Exception as exc:  # a missing compiler, ninja or header: the torch path still works
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        warnings.warn(f"specd's native CPU kernels could not be built ({first_line}); using torch's slower int4/int8 "
-                      f"kernels. Install a C++ compiler and `pip install ninja`, or set {ENV_VAR}=0 to silence this.",
-                      RuntimeWarning, stacklevel=2)
+        warnings.warn(f"specd's {what} could not be built ({first_line}); using {fallback}. "
+                      f"Install a C++ compiler and `pip install ninja`, or set {ENV_VAR}=0 to silence this.",
+                      RuntimeWarning, stacklevel=3)
         return None

@@ -14,17 +14,14 @@ exact modes keep torch's ops, whose rounding the transformers parity tests pin d
 from __future__ import annotations
 
 import functools
-import os
-import warnings
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
-from specd.kernels import ENV_VAR, cpu_has_avx2, load_extension
+from specd.kernels import build_or_fall_back, load_extension
 
 _SOURCE = Path(__file__).with_name("fused_ops.cpp")
-_OFF = ("0", "off", "false", "no")
 
 
 def build(isa: str) -> ModuleType:
@@ -41,21 +38,7 @@ def build(isa: str) -> ModuleType:
 @functools.cache
 def fused_ops() -> ModuleType | None:
     """The fused ops for this CPU, or None (SPECD_NATIVE_KERNELS=0, or the build failed)."""
-    setting = os.environ.get(ENV_VAR, "").strip().lower()
-    if setting in _OFF:
-        return None
-    if setting not in ("", "1", "on", "scalar"):
-        warnings.warn(f"{ENV_VAR}={setting!r} is not 0, 1 or scalar; fused ops off", stacklevel=2)
-        return None
-    isa = "scalar" if setting == "scalar" or not cpu_has_avx2() else "avx2"
-    try:
-        return build(isa)
-    except Exception as exc:  # a missing compiler, ninja or header: torch's ops still work
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        warnings.warn(f"specd's fused CPU ops could not be built ({first_line}); using torch's composite ops. "
-                      f"Install a C++ compiler and `pip install ninja`, or set {ENV_VAR}=0 to silence this.",
-                      RuntimeWarning, stacklevel=2)
-        return None
+    return build_or_fall_back(build, "fused CPU ops", "torch's composite ops")
 
 
 def for_dtype(dtype: torch.dtype) -> ModuleType | None:
