@@ -4,9 +4,11 @@ log line, and seeded generators."""
 
 from __future__ import annotations
 
+import logging
 import re
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -255,3 +257,29 @@ class CountingModel:
         self.calls += 1
         self.rows += logits.shape[0]
         return logits
+
+
+class _LineCapture(logging.Handler):
+    def __init__(self, lines: list[str]) -> None:
+        super().__init__(logging.INFO)
+        self._lines = lines
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self._lines.append(record.getMessage())
+
+
+@contextmanager
+def capture_specd_log() -> Iterator[list[str]]:
+    """Test helper: collects the messages the "specd" logger emits at INFO and above while the block runs (caplog
+    is function-scoped; module-scoped fixtures need this), and restores the logger's level afterwards."""
+    lines: list[str] = []
+    handler = _LineCapture(lines)
+    logger = logging.getLogger("specd")
+    old_level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)

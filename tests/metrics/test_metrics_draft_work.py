@@ -4,7 +4,6 @@ confidence policy more positions are computed than proposed (the ones its stop r
 
 from __future__ import annotations
 
-import logging
 from collections import defaultdict
 
 from prometheus_client import CollectorRegistry, generate_latest
@@ -17,16 +16,7 @@ from specd.metrics.prometheus_sink import PrometheusSink
 from specd.metrics.trace import read_trace, recount
 from specd.sampling.params import SamplingParams
 from specd.speculation.draft import DraftModelProposer
-from specd.testing import CountingModel, parse_log_line
-
-
-class _Capture(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
+from specd.testing import CountingModel, capture_specd_log, parse_log_line
 
 
 def test_draft_forwards_and_computed_positions_agree_everywhere(tiny_model, tokenizer, tmp_path) -> None:
@@ -40,18 +30,10 @@ def test_draft_forwards_and_computed_positions_agree_everywhere(tiny_model, toke
     registry = CollectorRegistry()
     sink = PrometheusSink(registry, model="tiny", proposer="layerskip", k_policy="confidence")
     llm = LLM.from_model(tiny_model, tokenizer, config, stats_sinks=[sink], proposer=proposer)
-    capture = _Capture()
-    specd_logger = logging.getLogger("specd")
-    old_level = specd_logger.level
-    specd_logger.addHandler(capture)
-    specd_logger.setLevel(logging.INFO)
-    try:
+    with capture_specd_log() as log_lines:
         llm.generate(["abcabcabc", "hello hello hello", "the quick brown"],
                      SamplingParams(max_tokens=30, temperature=0.0))
         llm.close()
-    finally:
-        specd_logger.removeHandler(capture)
-        specd_logger.setLevel(old_level)
     c = llm.get_metrics()["counters"]
     assert counting.calls > 0
     assert (c["draft_forwards"], c["draft_tokens_computed"]) == (counting.calls, counting.rows)
@@ -63,7 +45,7 @@ def test_draft_forwards_and_computed_positions_agree_everywhere(tiny_model, toke
             samples[sample.name] += sample.value
     assert samples["specd_spec_decode_draft_forwards_total"] == counting.calls
     assert samples["specd_spec_decode_draft_tokens_computed_total"] == counting.rows
-    lines = [parse_log_line(line) for line in capture.lines if line.startswith(PREFIX)]
+    lines = [parse_log_line(line) for line in log_lines if line.startswith(PREFIX)]
     assert sum(line["draft_forwards"] for line in lines) == counting.calls
     assert sum(line["draft_tokens_computed"] for line in lines) == counting.rows
     recounted = recount(read_trace(trace_path), 4).to_dict()["counters"]

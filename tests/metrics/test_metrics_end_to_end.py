@@ -14,7 +14,6 @@ any machine, without relying on a random model happening to repeat itself.
 
 from __future__ import annotations
 
-import logging
 from collections import defaultdict
 from dataclasses import dataclass
 from itertools import accumulate
@@ -36,7 +35,7 @@ from specd.metrics.trace import TraceRecord, read_trace, recount
 from specd.model.llama import LlamaForCausalLM
 from specd.model.tokenizer import Tokenizer
 from specd.sampling.params import SamplingParams, SpecOverride
-from specd.testing import byte_tokenizer, parse_log_line, tiny_hf_config_dict, tiny_specd_model
+from specd.testing import byte_tokenizer, capture_specd_log, parse_log_line, tiny_hf_config_dict, tiny_specd_model
 
 K_MAX = 4
 MAX_TOKENS = 40
@@ -98,17 +97,6 @@ def _first_token_inside_an_accepted_run(
             if text and text.isascii() and text.isprintable() and before.isascii() and text not in before:
                 return index
     return None
-
-
-class _Capture(logging.Handler):
-    """Collects the messages of one logger (caplog is function-scoped; the run below is per module)."""
-
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
 
 
 @dataclass
@@ -203,18 +191,10 @@ def run(bigram_model, tokenizer, tmp_path_factory) -> Run:
     # A short interval on the logger's own timer; close() logs the partial last one, so the lines cover the run.
     config = _ngram_config(log_stats_interval_s=0.05, spec_trace_path=str(trace_path))
     llm = LLM.from_model(bigram_model, tokenizer, config, stats_sinks=[sink])
-    capture = _Capture()
-    specd_logger = logging.getLogger("specd")
-    old_level = specd_logger.level
-    specd_logger.addHandler(capture)
-    specd_logger.setLevel(logging.INFO)
-    try:
+    with capture_specd_log() as lines:
         outputs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
         llm.close()
-    finally:
-        specd_logger.removeHandler(capture)
-        specd_logger.setLevel(old_level)
-    log_lines = [parse_log_line(line) for line in capture.lines if line.startswith(PREFIX)]
+    log_lines = [parse_log_line(line) for line in lines if line.startswith(PREFIX)]
 
     prometheus: dict[str, dict[tuple[tuple[str, str], ...], float]] = defaultdict(dict)
     for family in text_string_to_metric_families(generate_latest(registry).decode()):
