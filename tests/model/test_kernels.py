@@ -79,7 +79,7 @@ def test_quantisation_recovers_gguf_blocks_exactly():
     q8_codes[..., 0] = 127
     q8_weight = (q8_codes * scales).view(8, 128)
     q8 = quantize_q8(q8_weight)
-    assert torch.equal(q8.codes.float(), q8_codes.view(8, 128)) and torch.equal(q8.dequantize(), q8_weight)
+    assert torch.equal(q8.block_codes().float(), q8_codes.view(8, 128)) and torch.equal(q8.dequantize(), q8_weight)
 
 
 def test_activation_model_rounds_like_the_kernel():
