@@ -10,9 +10,11 @@ that spent it). In the bfloat16 modes (int4, bfloat16), when specd's fused layer
 are built, each dtype gets two rows from the same process: torch's composite layer ops ("torch ops", the code
 before the fused ops) and the fused ops, their timed steps alternating:
 
-- GEMM: the projections and the LM head (specd's native q4/q8 kernels, torch's int4/int8 weight-only
-  kernels, oneDNN and plain matmuls; the native calls are not torch ops, so the profiled steps wrap them in
-  `record_function("specd::q4_linear")` / `"specd::q8_linear"`);
+- GEMM: the projections (specd's native q4 kernel, torch's int4 weight-only kernel, oneDNN and plain
+  matmuls; the native calls are not torch ops, so the profiled steps wrap them in
+  `record_function("specd::q4_linear")` / `"specd::q8_linear"`), and the LM head in float modes;
+- LM head: the int4 mode's int8 LM head (specd's q8 kernel or torch's int8 weight-only kernel), 20% of the
+  weights; the native GEMM calls include quantising their activation rows;
 - attention: query x keys, softmax, probabilities x values (specd's fused decode attention included);
 - norm: RMSNorm kernels and the ops of its composite path (specd's fused add + norm included);
 - rope+KV: the rotary ops and the KV-cache write (specd's fused rotary + write included);
@@ -51,11 +53,12 @@ from specd.model.attention import ForwardBatch
 from specd.model.kv_cache import KVCache
 from specd.model.llama import LlamaForCausalLM
 
-CATEGORIES = ("GEMM", "attention", "norm", "rope+KV", "elementwise/copies", "views")
+CATEGORIES = ("GEMM", "LM head", "attention", "norm", "rope+KV", "elementwise/copies", "views")
 GEMM_OPS = {
-    "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int8pack_mm", "aten::_weight_int4pack_mm",
-    "mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::linear", "specd::q4_linear", "specd::q8_linear",
+    "aten::_weight_int4pack_mm_for_cpu", "aten::_weight_int4pack_mm", "mkldnn::_linear_pointwise", "aten::mm",
+    "aten::addmm", "aten::linear", "specd::q4_linear",
 }
+LM_HEAD_OPS = {"aten::_weight_int8pack_mm", "specd::q8_linear"}
 ATTENTION_OPS = {
     "aten::bmm", "aten::baddbmm", "aten::_softmax", "aten::softmax", "aten::matmul",
     "aten::scaled_dot_product_attention", "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_safe_softmax",
@@ -73,8 +76,8 @@ VIEW_OPS = {
 
 
 def category(op_name: str) -> str:
-    for name, ops in (("GEMM", GEMM_OPS), ("attention", ATTENTION_OPS), ("norm", NORM_OPS), ("rope+KV", ROPE_KV_OPS),
-                      ("views", VIEW_OPS)):
+    for name, ops in (("GEMM", GEMM_OPS), ("LM head", LM_HEAD_OPS), ("attention", ATTENTION_OPS), ("norm", NORM_OPS),
+                      ("rope+KV", ROPE_KV_OPS), ("views", VIEW_OPS)):
         if op_name in ops:
             return name
     return "elementwise/copies"
@@ -137,7 +140,8 @@ def fused_ops_off(off: bool) -> Iterator[None]:
         fused_kernels.for_dtype = original  # type: ignore[assignment]
 
 
-def profile_dtype(dtype_name: str, batch_size: int, context: int, steps: int) -> list[list[object]]:
+def profile_dtype(dtype_name: str, batch_size: int, context: int, steps: int,
+                  fused_only: bool = False) -> list[list[object]]:
     """One row per layer-op variant: torch's composite ops, then (bfloat16 modes, when built) the fused ops.
     The variants' timed steps alternate, so a load change on a shared machine hits both alike."""
     model = load(dtype_name)
@@ -148,7 +152,8 @@ def profile_dtype(dtype_name: str, batch_size: int, context: int, steps: int) ->
         prompt = [(7 * i + 13 * slot) % 40000 + 100 for i in range(context)]
         model(ForwardBatch.build([prompt], [slot], [0], [[context - 1]]), cache)
     position = context
-    variants = [True] if fused_kernels.for_dtype(model.dtype) is None else [True, False]  # fused ops off?
+    fused = fused_kernels.for_dtype(model.dtype) is not None
+    variants = [True] if not fused else [False] if fused_only else [True, False]  # fused ops off?
     wall: dict[bool, list[float]] = {off: [] for off in variants}
     cpu: dict[bool, list[float]] = {off: [] for off in variants}
     for step in range(5 + steps):  # every step rewrites the same position: the context length stays fixed
@@ -190,11 +195,12 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1], help="sequences per step (one table row each)")
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--fused-only", action="store_true", help="only the fused-ops row where the fused ops build")
     args = ap.parse_args()
     if any(b < 1 for b in args.batch):
         ap.error("--batch: every size must be >= 1")
     rows = [row for d in args.dtypes for b in args.batch
-            for row in profile_dtype(d, b, args.context, args.steps)]
+            for row in profile_dtype(d, b, args.context, args.steps, args.fused_only)]
     print(markdown_table(
         ["dtype", "batch", "step ms", "CPU ms", "profiled ms", *(f"{c} ms" for c in CATEGORIES), "Python/gaps ms",
          "ops/step"],

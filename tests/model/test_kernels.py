@@ -67,6 +67,30 @@ def test_a_row_gives_the_same_bits_alone_and_among_others(native, quantize):
     assert torch.equal(weight.linear(native, x[5:9], float_out=True), together[5:9])
 
 
+@pytest.mark.parametrize("quantize", [quantize_q4, quantize_q8], ids=["q4", "q8"])
+@pytest.mark.parametrize("out_features", [8, 10])  # whole 4-column tiles, and two columns left over
+@pytest.mark.parametrize("in_features", [96, 256, 288])  # a last group only, whole groups, both
+def test_every_tile_shape_gives_a_row_the_bits_it_gets_alone(native, quantize, out_features, in_features):
+    """Tiles of 1-4 rows x 1, 2 or 4 columns, full groups and a partial last group: each row of a 1..9-row call
+    equals the row computed alone, and the call is close to the float64 model of the kernel."""
+    weight = quantize(_weights(out_features=out_features, in_features=in_features, seed=in_features))
+    x = torch.randn(9, in_features).to(torch.bfloat16)
+    alone = torch.cat([weight.linear(native, x[i : i + 1], float_out=True) for i in range(9)])
+    for rows in range(1, 10):
+        assert torch.equal(weight.linear(native, x[:rows], float_out=True), alone[:rows]), f"{rows} rows"
+    expected = reference_linear(weight, x.float())
+    torch.testing.assert_close(alone.double(), expected, rtol=0, atol=1e-4 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("quantize", [quantize_q4, quantize_q8], ids=["q4", "q8"])
+def test_the_group_order_is_a_permutation_of_the_block_order(quantize):
+    weight = quantize(_weights(out_features=3, in_features=288))  # two whole groups and one block past them
+    block_order = weight.block_codes()
+    assert not torch.equal(weight.codes, block_order)  # whole groups are interleaved
+    assert torch.equal(weight.codes[:, -block_order.shape[1] // 9 :], block_order[:, -block_order.shape[1] // 9 :])
+    assert torch.equal(weight.codes.sort(dim=1).values, block_order.sort(dim=1).values)
+
+
 def test_quantisation_recovers_gguf_blocks_exactly():
     torch.manual_seed(3)
     blocks = torch.randint(0, 16, (8, 4, 32)).float()
@@ -79,7 +103,7 @@ def test_quantisation_recovers_gguf_blocks_exactly():
     q8_codes[..., 0] = 127
     q8_weight = (q8_codes * scales).view(8, 128)
     q8 = quantize_q8(q8_weight)
-    assert torch.equal(q8.codes.float(), q8_codes.view(8, 128)) and torch.equal(q8.dequantize(), q8_weight)
+    assert torch.equal(q8.block_codes().float(), q8_codes.view(8, 128)) and torch.equal(q8.dequantize(), q8_weight)
 
 
 def test_activation_model_rounds_like_the_kernel():

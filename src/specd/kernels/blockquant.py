@@ -4,6 +4,10 @@ q4: w = scale * q + min with q in 0..15 (a GGUF Q4_1 block: its codes and float1
 exactly from the dequantized weights). q8: w = scale * q with q in -127..127 (a GGUF Q8_0 block, recovered
 exactly likewise). `Q4Weight.linear` / `Q8Weight.linear` run the native kernel, which also quantises each
 activation row per block of 32 to int8; `reference_linear` is the same arithmetic in float64 for tests.
+
+The codes are stored in the kernel's group order (quant_gemm.cpp): within each run of four blocks (128 inputs)
+the inputs are interleaved so that one 32-byte vector holds a few inputs of each of the four blocks, which lets
+the kernel reduce four blocks with vertical adds. `block_codes()` gives the codes back in block order.
 """
 
 from __future__ import annotations
@@ -14,16 +18,44 @@ from typing import NamedTuple
 import torch
 
 BLOCK = 32
+GROUP_BLOCKS = 4  # blocks per group of the kernel's input order
+
+
+def _full_groups(in_features: int) -> int:
+    """Inputs covered by whole groups of four blocks (the rest stays in block order)."""
+    return in_features // (BLOCK * GROUP_BLOCKS) * BLOCK * GROUP_BLOCKS
+
+
+def _swap_q8_order(codes: torch.Tensor) -> torch.Tensor:  # [out, in] int8 -> [out, in], block <-> group order
+    """Block order has input h*16 + 4t + e of block i at i*32 + h*16 + 4t + e within a group, group order at
+    t*32 + h*16 + i*4 + e: swapping the block and chunk axes maps either order to the other."""
+    out_features, in_features = codes.shape
+    full = _full_groups(in_features)
+    grouped = codes[:, :full].reshape(out_features, full // 128, 4, 2, 4, 4).transpose(2, 4)
+    return torch.cat([grouped.reshape(out_features, full), codes[:, full:]], dim=1).contiguous()
+
+
+def _swap_q4_order(codes: torch.Tensor) -> torch.Tensor:  # [out, in // 2] uint8, block <-> group order
+    """Packed bytes: block order has byte 4t + e of block i at i*16 + 4t + e within a group (inputs 4t + e and
+    16 + 4t + e), group order at t*16 + i*4 + e."""
+    out_features, half = codes.shape
+    full = _full_groups(half * 2) // 2
+    grouped = codes[:, :full].reshape(out_features, full // 64, 4, 4, 4).transpose(2, 3)
+    return torch.cat([grouped.reshape(out_features, full), codes[:, full:]], dim=1).contiguous()
 
 
 class Q4Weight(NamedTuple):
-    codes: torch.Tensor  # [out, in // 2] uint8: byte i of a block holds inputs i (low nibble) and i + 16 (high)
+    codes: torch.Tensor  # [out, in // 2] uint8 in group order; in block order byte i of a block holds inputs i
+    # (low nibble) and i + 16 (high)
     scales: torch.Tensor  # [out, in // 32] float16
     mins: torch.Tensor  # [out, in // 32] float16
 
+    def block_codes(self) -> torch.Tensor:  # [out, in // 2] uint8 in block order (GGUF Q4_1's)
+        return _swap_q4_order(self.codes)
+
     def dequantize(self) -> torch.Tensor:  # [out, in] float32
         out_features, half = self.codes.shape
-        blocks = self.codes.view(out_features, -1, BLOCK // 2)  # [out, blocks, 16]
+        blocks = self.block_codes().view(out_features, -1, BLOCK // 2)  # [out, blocks, 16]
         q = torch.cat([blocks & 0x0F, blocks >> 4], dim=-1).float()  # [out, blocks, 32]
         w = q * self.scales.float().unsqueeze(-1) + self.mins.float().unsqueeze(-1)
         return w.view(out_features, half * 2)
@@ -34,12 +66,15 @@ class Q4Weight(NamedTuple):
 
 
 class Q8Weight(NamedTuple):
-    codes: torch.Tensor  # [out, in] int8
+    codes: torch.Tensor  # [out, in] int8 in group order
     scales: torch.Tensor  # [out, in // 32] float16
+
+    def block_codes(self) -> torch.Tensor:  # [out, in] int8 in block order (GGUF Q8_0's)
+        return _swap_q8_order(self.codes)
 
     def dequantize(self) -> torch.Tensor:  # [out, in] float32
         out_features, in_features = self.codes.shape
-        blocks = self.codes.view(out_features, -1, BLOCK).float()
+        blocks = self.block_codes().view(out_features, -1, BLOCK).float()
         return (blocks * self.scales.float().unsqueeze(-1)).view(out_features, in_features)
 
     def linear(self, kernels: ModuleType, x: torch.Tensor, float_out: bool = False) -> torch.Tensor:
@@ -61,7 +96,7 @@ def quantize_q4(weight: torch.Tensor) -> Q4Weight:  # [out, in] float, in % 32 =
     safe = scale.float().clamp_min(1e-30).unsqueeze(-1)
     q = ((groups - low.float().unsqueeze(-1)) / safe).round_().clamp_(0, 15).to(torch.uint8)  # [out, blocks, 32]
     codes = q[..., : BLOCK // 2] | (q[..., BLOCK // 2 :] << 4)
-    return Q4Weight(codes.reshape(out_features, in_features // 2).contiguous(), scale.contiguous(),
+    return Q4Weight(_swap_q4_order(codes.reshape(out_features, in_features // 2)), scale.contiguous(),
                     low.contiguous())
 
 
@@ -72,7 +107,7 @@ def quantize_q8(weight: torch.Tensor) -> Q8Weight:  # [out, in] float, in % 32 =
     scale = (groups.abs().amax(-1) / 127).half()  # [out, blocks]
     safe = scale.float().clamp_min(1e-30).unsqueeze(-1)
     q = (groups / safe).round_().clamp_(-127, 127).to(torch.int8)
-    return Q8Weight(q.view(out_features, in_features).contiguous(), scale.contiguous())
+    return Q8Weight(_swap_q8_order(q.view(out_features, in_features)), scale.contiguous())
 
 
 def quantize_activations(x: torch.Tensor) -> torch.Tensor:  # [rows, in] -> [rows, in] float64, as the kernel sees x

@@ -1,7 +1,7 @@
 // Block-quantised GEMM for CPU decode: y[m, n] = sum_k x[m, k] * w[n, k].
 //
 // Weights are stored in blocks of 32 inputs along k with float16 block scales:
-//   q4: w = scale * q + min, q in 0..15, two codes per byte (byte i of a block holds inputs i and i + 16)
+//   q4: w = scale * q + min, q in 0..15, two codes per byte
 //   q8: w = scale * q,       q in -127..127
 // Each activation row is quantised the same way (symmetric int8 per block of 32, scale dx), so a block's
 // product is an integer dot product times scale * dx; q4's `min` term needs only the block's float sum of x.
@@ -9,13 +9,26 @@
 // 2 * 127 * 127 < 32768) followed by `madd` with ones to int32. Without AVX2 the same sums are computed
 // scalar (SPECD_SCALAR, or a compiler without the ISA flags).
 //
-// Every output element is computed by the same code from its own weight row and its own activation row,
-// whatever the number of rows in the batch: a token's result does not depend on its neighbours (speculative
-// verification relies on it). Work is split over output columns only.
+// Group order. Blocks are taken four at a time (a "group", 128 inputs). Inside a full group the inputs of the
+// weights (blocks.py stores them so) and of the quantised activations (quantize_rows) are interleaved: 32-byte
+// vector t (0..3) holds, in its 128-bit half h and 32-bit lane i, inputs h*16 + 4t .. h*16 + 4t + 3 of block i.
+// So the four vectors' maddubs results add up lane by lane into one vector whose lane (h, i) is the integer
+// dot of block i's inputs h*16 .. h*16 + 15 -- four blocks reduced with plain adds, one int->float convert and
+// one FMA, where block order would need a horizontal sum or a broadcast per block. q4 bytes hold, in a full
+// group, byte i*4 + e of 16-byte chunk t: low nibble input 4t + e, high nibble input 16 + 4t + e of block i, so
+// unpacking a chunk (low nibbles to half 0, high to half 1) gives vector t. A last group of fewer than four
+// blocks keeps block order (GGUF's: byte p of a q4 block holds inputs p and p + 16).
+//
+// Every output element is computed by the same instructions in the same order from its own weight row and its
+// own activation row, whatever the number of rows in the batch and whichever tile it falls in: a token's result
+// does not depend on its neighbours (speculative verification relies on it). Tiles of up to 4 rows x 4
+// columns share each unpacked weight group among their rows and each activation load among their columns;
+// work is split over column tiles.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
@@ -30,6 +43,8 @@
 namespace {
 
 constexpr int64_t kBlock = 32;
+constexpr int64_t kGroupBlocks = 4;
+constexpr int64_t kMaxTileRows = 4;
 
 inline float half_to_float(at::Half h) {
 #if SPECD_AVX2
@@ -39,20 +54,45 @@ inline float half_to_float(at::Half h) {
 #endif
 }
 
-// One activation row quantised per block: codes, block scales, block float sums.
+// Where input `input` (0..31) of block `block` sits in a row stored in group order (see the top).
+inline int64_t input_position(int64_t block, int64_t input, int64_t full_blocks) {
+  if (block >= full_blocks) return block * kBlock + input;
+  const int64_t group = block / kGroupBlocks, lane = block % kGroupBlocks;
+  const int64_t half = input / 16, chunk = (input % 16) / 4, byte = input % 4;
+  return group * 128 + chunk * 32 + half * 16 + lane * 4 + byte;
+}
+
+// Where the q4 byte holding inputs p and p + 16 (p in 0..15) of `block` sits in a packed row in group order.
+inline int64_t q4_byte_position(int64_t block, int64_t p, int64_t full_blocks) {
+  if (block >= full_blocks) return block * 16 + p;
+  return (block / kGroupBlocks) * 64 + (p / 4) * 16 + (block % kGroupBlocks) * 4 + p % 4;
+}
+
+// Activation rows quantised per block, codes in group order. Per group, the block scales as 8 float lanes
+// matching the integer sums' lanes (h, i), [s0 s1 s2 s3 s0 s1 s2 s3]; the block sums of x in block order, padded
+// to a multiple of 8 blocks. Blocks past the row's end are 0.
 struct QuantRows {
+  int64_t k, groups, sum_stride;
   std::vector<int8_t> codes;   // [rows, k]
-  std::vector<float> scales;   // [rows, k / 32]
-  std::vector<float> sums;     // [rows, k / 32]
+  std::vector<float> scales;   // [rows, groups * 8]
+  std::vector<float> sums;     // [rows, sum_stride]
+
+  const int8_t* row_codes(int64_t row) const { return codes.data() + row * k; }
+  const float* row_scales(int64_t row) const { return scales.data() + row * groups * 8; }
+  const float* row_sums(int64_t row) const { return sums.data() + row * sum_stride; }
 };
 
 template <typename T>
 QuantRows quantize_rows(const T* x, int64_t rows, int64_t k) {
-  const int64_t blocks = k / kBlock;
-  QuantRows q{std::vector<int8_t>(rows * k), std::vector<float>(rows * blocks), std::vector<float>(rows * blocks)};
+  const int64_t blocks = k / kBlock, groups = (blocks + kGroupBlocks - 1) / kGroupBlocks;
+  const int64_t full_blocks = blocks / kGroupBlocks * kGroupBlocks;
+  const int64_t sum_stride = (blocks + 7) / 8 * 8;
+  QuantRows q{k, groups, sum_stride, std::vector<int8_t>(rows * k), std::vector<float>(rows * groups * 8, 0.f),
+              std::vector<float>(rows * sum_stride, 0.f)};
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     float values[kBlock];
     for (int64_t r = begin; r < end; ++r) {
+      int8_t* dst = q.codes.data() + r * k;
       for (int64_t b = 0; b < blocks; ++b) {
         const T* src = x + r * k + b * kBlock;
         float amax = 0.f, sum = 0.f;
@@ -63,13 +103,13 @@ QuantRows quantize_rows(const T* x, int64_t rows, int64_t k) {
         }
         const float scale = amax / 127.f;
         const float inv = amax > 0.f ? 127.f / amax : 0.f;
-        int8_t* dst = q.codes.data() + r * k + b * kBlock;
         for (int64_t i = 0; i < kBlock; ++i) {
           const float v = std::nearbyint(values[i] * inv);
-          dst[i] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, v)));
+          dst[input_position(b, i, full_blocks)] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, v)));
         }
-        q.scales[r * blocks + b] = scale;
-        q.sums[r * blocks + b] = sum;
+        const int64_t lane = (r * groups + b / kGroupBlocks) * 8 + b % kGroupBlocks;
+        q.scales[lane] = q.scales[lane + 4] = scale;
+        q.sums[r * sum_stride + b] = sum;
       }
     }
   });
@@ -83,103 +123,303 @@ inline float hsum(__m256 v) {
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
-#endif
 
-#if SPECD_AVX2
-// One q4 block times 32 int8 activations, accumulated into acc as 8 float lanes.
-inline __m256 q4_block(const uint8_t* w, const int8_t* x, float scale, __m256 acc) {
-  // Both 16-byte halves of the register hold the block; shifting the upper half right by 4 bits brings the
-  // high nibbles (inputs 16..31) down, so one mask gives all 32 codes in input order.
+// 16 packed q4 bytes -> 32 codes: low nibbles in the lower 128-bit half, high nibbles in the upper.
+inline __m256i unpack_q4(const uint8_t* w) {
   const __m256i both = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
-  const __m256i codes = _mm256_and_si256(_mm256_srlv_epi32(both, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)),
-                                         _mm256_set1_epi8(0x0F));
-  const __m256i xs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-  const __m256i pairs = _mm256_madd_epi16(_mm256_maddubs_epi16(codes, xs), _mm256_set1_epi16(1));  // 8 x int32
-  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(pairs), _mm256_set1_ps(scale), acc);
+  return _mm256_and_si256(_mm256_srlv_epi32(both, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)),
+                          _mm256_set1_epi8(0x0F));
 }
-#endif
 
-// Dot product of one q4 weight row with one quantised activation row.
-inline float dot_q4(const uint8_t* w, const at::Half* w_scale, const at::Half* w_min, const int8_t* x,
-                    const float* x_scale, const float* x_sum, int64_t blocks) {
-#if SPECD_AVX2
-  // Two accumulators, so consecutive blocks' FMAs do not wait on each other.
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+// Weights stream from memory once per call at one row: each group's cache lines of the column two 4-column tiles
+// ahead are requested before they are needed (a prefetch past the last column is harmless).
+constexpr int64_t kPrefetchColumns = 8;
+
+inline __m256i load32(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+
+// A last group's float16 block scales, blocks past `count` 0.
+inline __m128 load_halves4(const at::Half* p, int64_t count) {
+  // (no memcpy: a library call per column cost more than the group's arithmetic)
+  const auto at = [&](int64_t i) -> int16_t { return i < count ? static_cast<int16_t>(p[i].x) : 0; };
+  return _mm_cvtph_ps(_mm_setr_epi16(at(0), at(1), at(2), at(3), 0, 0, 0, 0));
+}
+// A full group's block scales as 8 lanes [s0 s1 s2 s3 s0 s1 s2 s3].
+inline __m256 group_scales(const at::Half* p) {
+  const __m128 v = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_set_m128(v, v);
+}
+
+// A last, partial group in block order: per block 8 int32 (4 per half), summed into lanes (h, i) by hadds.
+inline __m256i tail_lanes(const __m256i p[4]) {
+  return _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+}
+
+// The float step every output element takes once per group, in this order.
+inline __m256 accumulate(__m256i sums, __m256 w_scales, const float* x_scales, __m256 acc) {
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(w_scales, _mm256_loadu_ps(x_scales)), acc);
+}
+
+// q4's min term, sum over blocks of min * (sum of x in the block), 8 blocks per FMA then the rest one by one.
+inline float min_term(const at::Half* w_min, const float* x_sum, int64_t blocks) {
+  __m256 acc = _mm256_setzero_ps();
   int64_t b = 0;
-  for (; b + 1 < blocks; b += 2) {
-    acc0 = q4_block(w + b * 16, x + b * kBlock, half_to_float(w_scale[b]) * x_scale[b], acc0);
-    acc1 = q4_block(w + (b + 1) * 16, x + (b + 1) * kBlock, half_to_float(w_scale[b + 1]) * x_scale[b + 1], acc1);
-  }
-  if (b < blocks) acc0 = q4_block(w + b * 16, x + b * kBlock, half_to_float(w_scale[b]) * x_scale[b], acc0);
-  // The min term sum_b min_b * sum(x in block b), eight blocks per instruction.
-  __m256 min_acc = _mm256_setzero_ps();
-  for (b = 0; b + 8 <= blocks; b += 8) {
+  for (; b + 8 <= blocks; b += 8) {
     const __m256 mins = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w_min + b)));
-    min_acc = _mm256_fmadd_ps(mins, _mm256_loadu_ps(x_sum + b), min_acc);
+    acc = _mm256_fmadd_ps(mins, _mm256_loadu_ps(x_sum + b), acc);
   }
-  float min_part = hsum(min_acc);
-  for (; b < blocks; ++b) min_part += half_to_float(w_min[b]) * x_sum[b];
-  return hsum(_mm256_add_ps(acc0, acc1)) + min_part;
+  float total = hsum(acc);
+  for (; b < blocks; ++b) total += half_to_float(w_min[b]) * x_sum[b];
+  return total;
+}
+
+// q4 tile: rows row0 .. row0 + R - 1 times columns col0 .. col0 + C - 1.
+struct Q4Tile {
+  const uint8_t* codes;    // [n, k / 2] in group order
+  const at::Half* scales;  // [n, blocks]
+  const at::Half* mins;    // [n, blocks]
+  const QuantRows& x;
+  int64_t blocks;
+
+  template <int R, int C>
+  void run(int64_t row0, int64_t col0, float* out) const {  // out: [R, C]
+    const int64_t row_bytes = x.k / 2, full_groups = blocks / kGroupBlocks, count = blocks % kGroupBlocks;
+    const __m256i ones = _mm256_set1_epi16(1);
+    const uint8_t* w[C];
+    const at::Half* w_scales[C];
+    for (int c = 0; c < C; ++c) {
+      w[c] = codes + (col0 + c) * row_bytes;
+      w_scales[c] = scales + (col0 + c) * blocks;
+    }
+    const int8_t* xq[R];
+    const float* x_scales[R];
+    for (int r = 0; r < R; ++r) {
+      xq[r] = x.row_codes(row0 + r);
+      x_scales[r] = x.row_scales(row0 + r);
+    }
+    __m256 acc[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < full_groups; ++g) {
+      for (int c = 0; c < C; ++c) {
+        const uint8_t* wg = w[c] + g * 64;
+        _mm_prefetch(reinterpret_cast<const char*>(wg + kPrefetchColumns * row_bytes), _MM_HINT_T0);
+        const __m256i u0 = unpack_q4(wg), u1 = unpack_q4(wg + 16), u2 = unpack_q4(wg + 32), u3 = unpack_q4(wg + 48);
+        const __m256 ws = group_scales(w_scales[c] + g * kGroupBlocks);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xg = xq[r] + g * 128;
+          // int16 lanes add to at most 4 * 2 * 15 * 127 = 15240: no overflow before madd widens them.
+          __m256i s = _mm256_maddubs_epi16(u0, load32(xg));
+          s = _mm256_add_epi16(s, _mm256_maddubs_epi16(u1, load32(xg + 32)));
+          s = _mm256_add_epi16(s, _mm256_maddubs_epi16(u2, load32(xg + 64)));
+          s = _mm256_add_epi16(s, _mm256_maddubs_epi16(u3, load32(xg + 96)));
+          acc[r][c] = accumulate(_mm256_madd_epi16(s, ones), ws, x_scales[r] + g * 8, acc[r][c]);
+        }
+      }
+    }
+    if (count > 0) {
+      const int64_t g = full_groups;
+      for (int c = 0; c < C; ++c) {
+        __m256i u[4];
+        for (int t = 0; t < 4; ++t) u[t] = t < count ? unpack_q4(w[c] + g * 64 + t * 16) : _mm256_setzero_si256();
+        const __m128 tail_scales = load_halves4(w_scales[c] + g * kGroupBlocks, count);
+        const __m256 ws = _mm256_set_m128(tail_scales, tail_scales);
+        for (int r = 0; r < R; ++r) {
+          __m256i p[4];
+          for (int t = 0; t < 4; ++t) {
+            p[t] = _mm256_madd_epi16(_mm256_maddubs_epi16(u[t], load32(xq[r] + g * 128 + t * 32)), ones);
+          }
+          acc[r][c] = accumulate(tail_lanes(p), ws, x_scales[r] + g * 8, acc[r][c]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      for (int c = 0; c < C; ++c) {
+        out[r * C + c] = hsum(acc[r][c]) + min_term(mins + (col0 + c) * blocks, x.row_sums(row0 + r), blocks);
+      }
+    }
+  }
+};
+
+// q8 tile: as Q4Tile, int8 weights (maddubs wants an unsigned operand: |w| times x with w's sign moved onto it;
+// pairs reach 2 * 127 * 127 = 32258, so each block is widened to int32 before any sum across blocks).
+struct Q8Tile {
+  const int8_t* codes;     // [n, k] in group order
+  const at::Half* scales;  // [n, blocks]
+  const QuantRows& x;
+  int64_t blocks;
+
+  template <int R, int C>
+  void run(int64_t row0, int64_t col0, float* out) const {  // out: [R, C]
+    const int64_t full_groups = blocks / kGroupBlocks, count = blocks % kGroupBlocks;
+    const __m256i ones = _mm256_set1_epi16(1);
+    const int8_t* w[C];
+    const at::Half* w_scales[C];
+    for (int c = 0; c < C; ++c) {
+      w[c] = codes + (col0 + c) * x.k;
+      w_scales[c] = scales + (col0 + c) * blocks;
+    }
+    const int8_t* xq[R];
+    const float* x_scales[R];
+    for (int r = 0; r < R; ++r) {
+      xq[r] = x.row_codes(row0 + r);
+      x_scales[r] = x.row_scales(row0 + r);
+    }
+    __m256 acc[R][C];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) acc[r][c] = _mm256_setzero_ps();
+    const auto product = [&](__m256i magnitude, __m256i sign, const int8_t* xs) {
+      return _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(load32(xs), sign)), ones);
+    };
+    for (int64_t g = 0; g < full_groups; ++g) {
+      for (int c = 0; c < C; ++c) {
+        const int8_t* wg = w[c] + g * 128;
+        _mm_prefetch(reinterpret_cast<const char*>(wg + kPrefetchColumns * x.k), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(wg + kPrefetchColumns * x.k + 64), _MM_HINT_T0);
+        const __m256i w0 = load32(wg), w1 = load32(wg + 32), w2 = load32(wg + 64), w3 = load32(wg + 96);
+        const __m256i a0 = _mm256_sign_epi8(w0, w0), a1 = _mm256_sign_epi8(w1, w1);
+        const __m256i a2 = _mm256_sign_epi8(w2, w2), a3 = _mm256_sign_epi8(w3, w3);
+        const __m256 ws = group_scales(w_scales[c] + g * kGroupBlocks);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xg = xq[r] + g * 128;
+          const __m256i s = _mm256_add_epi32(_mm256_add_epi32(product(a0, w0, xg), product(a1, w1, xg + 32)),
+                                             _mm256_add_epi32(product(a2, w2, xg + 64), product(a3, w3, xg + 96)));
+          acc[r][c] = accumulate(s, ws, x_scales[r] + g * 8, acc[r][c]);
+        }
+      }
+    }
+    if (count > 0) {
+      const int64_t g = full_groups;
+      for (int c = 0; c < C; ++c) {
+        __m256i signs[4], magnitudes[4];
+        for (int t = 0; t < 4; ++t) {
+          signs[t] = t < count ? load32(w[c] + g * 128 + t * 32) : _mm256_setzero_si256();
+          magnitudes[t] = _mm256_sign_epi8(signs[t], signs[t]);
+        }
+        const __m128 tail_scales = load_halves4(w_scales[c] + g * kGroupBlocks, count);
+        const __m256 ws = _mm256_set_m128(tail_scales, tail_scales);
+        for (int r = 0; r < R; ++r) {
+          __m256i p[4];
+          for (int t = 0; t < 4; ++t) p[t] = product(magnitudes[t], signs[t], xq[r] + g * 128 + t * 32);
+          acc[r][c] = accumulate(tail_lanes(p), ws, x_scales[r] + g * 8, acc[r][c]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < C; ++c) out[r * C + c] = hsum(acc[r][c]);
+  }
+};
+
+// One tile of `rows` (1..4) x 4 columns into out [rows, 4]; 3-4 rows as two halves of 2 columns, so a tile's
+// accumulators stay in registers.
+template <typename Tile>
+void run_tile(const Tile& tile, int64_t rows, int64_t row0, int64_t col0, float* out) {
+  float half[kMaxTileRows * 2];
+  switch (rows) {
+    case 1: tile.template run<1, 4>(row0, col0, out); return;
+    case 2: tile.template run<2, 4>(row0, col0, out); return;
+    case 3:
+      for (int h = 0; h < 2; ++h) {
+        tile.template run<3, 2>(row0, col0 + 2 * h, half);
+        for (int r = 0; r < 3; ++r) std::copy(half + 2 * r, half + 2 * r + 2, out + 4 * r + 2 * h);
+      }
+      return;
+    default:
+      for (int h = 0; h < 2; ++h) {
+        tile.template run<4, 2>(row0, col0 + 2 * h, half);
+        for (int r = 0; r < 4; ++r) std::copy(half + 2 * r, half + 2 * r + 2, out + 4 * r + 2 * h);
+      }
+  }
+}
+
+// One column (the last columns when the count is not a multiple of 4) for `rows` rows into out [rows].
+template <typename Tile>
+void run_column(const Tile& tile, int64_t rows, int64_t row0, int64_t col, float* out) {
+  switch (rows) {
+    case 1: tile.template run<1, 1>(row0, col, out); return;
+    case 2: tile.template run<2, 1>(row0, col, out); return;
+    case 3: tile.template run<3, 1>(row0, col, out); return;
+    default: tile.template run<4, 1>(row0, col, out);
+  }
+}
+
+// Writes out[m, n] for every row and column by tiles of up to 4 rows x 4 columns, column tiles split over threads.
+template <typename Tile>
+at::Tensor run_tiles(const Tile& tile, int64_t rows, int64_t cols, at::ScalarType out_dtype) {
+  constexpr int64_t kCols = 4;
+  at::Tensor out = at::empty({rows, cols}, at::TensorOptions().dtype(out_dtype));
+  const bool bf16 = out_dtype == at::kBFloat16;
+  float* out_f = bf16 ? nullptr : out.data_ptr<float>();
+  at::BFloat16* out_b = bf16 ? out.data_ptr<at::BFloat16>() : nullptr;
+  const int64_t col_tiles = (cols + kCols - 1) / kCols;
+  at::parallel_for(0, col_tiles, 2, [&](int64_t begin, int64_t end) {
+    float results[kMaxTileRows * kCols];
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t col0 = t * kCols, num_cols = std::min(kCols, cols - col0);
+      for (int64_t row0 = 0; row0 < rows; row0 += kMaxTileRows) {
+        const int64_t num_rows = std::min(kMaxTileRows, rows - row0);
+        if (num_cols == kCols) {
+          run_tile(tile, num_rows, row0, col0, results);
+        } else {
+          float column[kMaxTileRows];
+          for (int64_t c = 0; c < num_cols; ++c) {
+            run_column(tile, num_rows, row0, col0 + c, column);
+            for (int64_t r = 0; r < num_rows; ++r) results[r * kCols + c] = column[r];
+          }
+        }
+        for (int64_t r = 0; r < num_rows; ++r) {
+          for (int64_t c = 0; c < num_cols; ++c) {
+            const float value = results[r * kCols + c];
+            const int64_t index = (row0 + r) * cols + col0 + c;
+            if (bf16) {
+              out_b[index] = at::BFloat16(value);
+            } else {
+              out_f[index] = value;
+            }
+          }
+        }
+      }
+    }
+  });
+  return out;
+}
 #else
+// Scalar: one output element at a time, integer block dots read through the group order.
+inline float dot_q4(const uint8_t* w, const at::Half* w_scale, const at::Half* w_min, const QuantRows& x,
+                    int64_t row, int64_t blocks) {
+  const int64_t full_blocks = blocks / kGroupBlocks * kGroupBlocks;
+  const int8_t* xr = x.row_codes(row);
   float acc = 0.f, min_part = 0.f;
   for (int64_t b = 0; b < blocks; ++b) {
     int32_t dot = 0;
-    const uint8_t* wb = w + b * 16;
-    const int8_t* xb = x + b * kBlock;
-    for (int64_t i = 0; i < 16; ++i) {
-      dot += static_cast<int32_t>(wb[i] & 0x0F) * xb[i] + static_cast<int32_t>(wb[i] >> 4) * xb[i + 16];
+    for (int64_t p = 0; p < 16; ++p) {
+      const uint8_t byte = w[q4_byte_position(b, p, full_blocks)];
+      dot += static_cast<int32_t>(byte & 0x0F) * xr[input_position(b, p, full_blocks)] +
+             static_cast<int32_t>(byte >> 4) * xr[input_position(b, p + 16, full_blocks)];
     }
-    acc += static_cast<float>(dot) * (half_to_float(w_scale[b]) * x_scale[b]);
-    min_part += half_to_float(w_min[b]) * x_sum[b];
+    const int64_t lane = (b / kGroupBlocks) * 8 + b % kGroupBlocks;
+    acc += static_cast<float>(dot) * (half_to_float(w_scale[b]) * x.row_scales(row)[lane]);
+    min_part += half_to_float(w_min[b]) * x.row_sums(row)[b];
   }
   return acc + min_part;
-#endif
 }
 
-// Dot product of one q8 weight row with one quantised activation row.
-inline float dot_q8(const int8_t* w, const at::Half* w_scale, const int8_t* x, const float* x_scale,
-                    int64_t blocks) {
-#if SPECD_AVX2
-  __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};  // alternate blocks: independent FMA chains
-  for (int64_t b = 0; b < blocks; ++b) {
-    const __m256i ws = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * kBlock));
-    const __m256i xs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + b * kBlock));
-    // maddubs wants an unsigned operand: |w| times x with w's sign moved onto it.
-    const __m256i products = _mm256_maddubs_epi16(_mm256_sign_epi8(ws, ws), _mm256_sign_epi8(xs, ws));
-    const __m256i pairs = _mm256_madd_epi16(products, _mm256_set1_epi16(1));
-    const float scale = half_to_float(w_scale[b]) * x_scale[b];
-    acc[b & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pairs), _mm256_set1_ps(scale), acc[b & 1]);
-  }
-  return hsum(_mm256_add_ps(acc[0], acc[1]));
-#else
+inline float dot_q8(const int8_t* w, const at::Half* w_scale, const QuantRows& x, int64_t row, int64_t blocks) {
+  const int8_t* xr = x.row_codes(row);
   float acc = 0.f;
   for (int64_t b = 0; b < blocks; ++b) {
     int32_t dot = 0;
-    const int8_t* wb = w + b * kBlock;
-    const int8_t* xb = x + b * kBlock;
-    for (int64_t i = 0; i < kBlock; ++i) dot += static_cast<int32_t>(wb[i]) * xb[i];
-    acc += static_cast<float>(dot) * (half_to_float(w_scale[b]) * x_scale[b]);
+    // w and x share the group order, so a block's inputs are at the same positions in both
+    const int64_t full_blocks = blocks / kGroupBlocks * kGroupBlocks;
+    for (int64_t i = 0; i < kBlock; ++i) {
+      const int64_t pos = input_position(b, i, full_blocks);
+      dot += static_cast<int32_t>(w[pos]) * xr[pos];
+    }
+    const int64_t lane = (b / kGroupBlocks) * 8 + b % kGroupBlocks;
+    acc += static_cast<float>(dot) * (half_to_float(w_scale[b]) * x.row_scales(row)[lane]);
   }
   return acc;
-#endif
 }
 
-void check_activations(const at::Tensor& x, int64_t k, const char* op) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(), op, ": x must be a contiguous 2-D CPU tensor");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
-              ": x must be float32 or bfloat16, got ", x.scalar_type());
-  TORCH_CHECK(x.size(1) == k, op, ": x has ", x.size(1), " inputs, the weight ", k);
-  TORCH_CHECK(k % kBlock == 0, op, ": inputs must be a multiple of 32, got ", k);
-}
-
-QuantRows quantize(const at::Tensor& x) {
-  if (x.scalar_type() == at::kBFloat16) {
-    return quantize_rows(x.data_ptr<at::BFloat16>(), x.size(0), x.size(1));
-  }
-  return quantize_rows(x.data_ptr<float>(), x.size(0), x.size(1));
-}
-
-// Writes out[m, n] = dot(m, n) for every row m, splitting the columns n over threads.
 template <typename Dot>
 at::Tensor run_columns(int64_t rows, int64_t cols, at::ScalarType out_dtype, const Dot& dot) {
   at::Tensor out = at::empty({rows, cols}, at::TensorOptions().dtype(out_dtype));
@@ -200,6 +440,22 @@ at::Tensor run_columns(int64_t rows, int64_t cols, at::ScalarType out_dtype, con
   });
   return out;
 }
+#endif
+
+void check_activations(const at::Tensor& x, int64_t k, const char* op) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.device().is_cpu(), op, ": x must be a contiguous 2-D CPU tensor");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
+              ": x must be float32 or bfloat16, got ", x.scalar_type());
+  TORCH_CHECK(x.size(1) == k, op, ": x has ", x.size(1), " inputs, the weight ", k);
+  TORCH_CHECK(k % kBlock == 0, op, ": inputs must be a multiple of 32, got ", k);
+}
+
+QuantRows quantize(const at::Tensor& x) {
+  if (x.scalar_type() == at::kBFloat16) {
+    return quantize_rows(x.data_ptr<at::BFloat16>(), x.size(0), x.size(1));
+  }
+  return quantize_rows(x.data_ptr<float>(), x.size(0), x.size(1));
+}
 
 at::ScalarType output_dtype(const at::Tensor& x, bool float_out) {
   return float_out ? at::kFloat : x.scalar_type();
@@ -207,7 +463,7 @@ at::ScalarType output_dtype(const at::Tensor& x, bool float_out) {
 
 }  // namespace
 
-// x: [m, k] float32/bfloat16; codes: [n, k / 2] uint8; scales, mins: [n, k / 32] float16.
+// x: [m, k] float32/bfloat16; codes: [n, k / 2] uint8 in group order; scales, mins: [n, k / 32] float16.
 // Returns [m, n] in x's dtype, or float32 when float_out.
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
                      bool float_out) {
@@ -222,13 +478,16 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   const uint8_t* w = codes.data_ptr<uint8_t>();
   const at::Half* ws = scales.data_ptr<at::Half>();
   const at::Half* wm = mins.data_ptr<at::Half>();
+#if SPECD_AVX2
+  return run_tiles(Q4Tile{w, ws, wm, q, blocks}, x.size(0), n, output_dtype(x, float_out));
+#else
   return run_columns(x.size(0), n, output_dtype(x, float_out), [&](int64_t row, int64_t col) {
-    return dot_q4(w + col * (k / 2), ws + col * blocks, wm + col * blocks, q.codes.data() + row * k,
-                  q.scales.data() + row * blocks, q.sums.data() + row * blocks, blocks);
+    return dot_q4(w + col * (k / 2), ws + col * blocks, wm + col * blocks, q, row, blocks);
   });
+#endif
 }
 
-// x: [m, k] float32/bfloat16; codes: [n, k] int8; scales: [n, k / 32] float16.
+// x: [m, k] float32/bfloat16; codes: [n, k] int8 in group order; scales: [n, k / 32] float16.
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, bool float_out) {
   const int64_t n = codes.size(0), k = codes.size(1), blocks = k / kBlock;
   check_activations(x, k, "q8_linear");
@@ -239,9 +498,13 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   const QuantRows q = quantize(x);
   const int8_t* w = codes.data_ptr<int8_t>();
   const at::Half* ws = scales.data_ptr<at::Half>();
+#if SPECD_AVX2
+  return run_tiles(Q8Tile{w, ws, q, blocks}, x.size(0), n, output_dtype(x, float_out));
+#else
   return run_columns(x.size(0), n, output_dtype(x, float_out), [&](int64_t row, int64_t col) {
-    return dot_q8(w + col * k, ws + col * blocks, q.codes.data() + row * k, q.scales.data() + row * blocks, blocks);
+    return dot_q8(w + col * k, ws + col * blocks, q, row, blocks);
   });
+#endif
 }
 
 bool uses_avx2() { return SPECD_AVX2 != 0; }

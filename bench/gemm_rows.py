@@ -1,0 +1,90 @@
+"""specd's q4/q8 kernels per call by row count, against an earlier version of quant_gemm.cpp in the same process.
+
+    git show 9244fd1:src/specd/kernels/quant_gemm.cpp > /tmp/quant_gemm_old.cpp
+    OMP_NUM_THREADS=1 .venv/bin/python bench/gemm_rows.py --baseline /tmp/quant_gemm_old.cpp [--rows 1 2 4 8 16]
+
+The baseline is built as its own extension (`specd_quant_gemm_baseline`) and must read weights in block order
+(GGUF's, as every version before the group order did): it gets `block_codes()`, the current kernel `codes`.
+CPU time per call (time.process_time), the two kernels alternating, the minimum over --rounds; each cell is
+"baseline / current (current / baseline)", and the row-count columns divide by the one-row time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import specd.kernels as kernels
+from common import markdown_table
+from specd.kernels.blockquant import Q8Weight, quantize_q4, quantize_q8
+
+SHAPES = {"qkv 960x576 (q4)": (960, 576), "gate_up 3072x576 (q4)": (3072, 576), "down 576x1536 (q4)": (576, 1536),
+          "o 576x576 (q4)": (576, 576), "lm_head 49152x576 (q8)": (49152, 576)}
+
+
+def cpu_us(call: Callable[[], object], min_seconds: float) -> float:
+    for _ in range(2):
+        call()
+    reps, start = 0, time.process_time()
+    while time.process_time() - start < min_seconds:
+        call()
+        reps += 1
+    return 1e6 * (time.process_time() - start) / reps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--baseline", type=Path, required=True, help="an earlier quant_gemm.cpp (block-order weights)")
+    ap.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 8, 16])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--seconds", type=float, default=0.15, help="CPU seconds per measurement")
+    args = ap.parse_args()
+    if not args.baseline.is_file():
+        ap.error(f"--baseline: {args.baseline} is not a file")
+    if any(r < 1 for r in args.rows):
+        ap.error("--rows: every count must be >= 1")
+    current = kernels.build("avx2" if kernels.cpu_has_avx2() else "scalar")
+    flags = ["-O3", "-mavx2", "-mfma", "-mf16c"] if kernels.cpu_has_avx2() else ["-O3", "-DSPECD_SCALAR"]
+    baseline = kernels.load_extension("specd_quant_gemm_baseline", args.baseline, flags)
+    torch.manual_seed(0)
+    table: list[list[Any]] = []
+    for name, (out_features, in_features) in SHAPES.items():
+        weight = torch.randn(out_features, in_features)
+        q = quantize_q8(weight) if "q8" in name else quantize_q4(weight)
+        block_order = q.block_codes()
+        row: list[Any] = [name]
+        one_row: dict[str, float] = {}
+        for num_rows in args.rows:
+            x = torch.randn(num_rows, in_features).bfloat16()
+            calls: dict[str, Callable[[], torch.Tensor]]
+            if isinstance(q, Q8Weight):
+                calls = {"baseline": partial(baseline.q8_linear, x, block_order, q.scales, True),
+                         "current": partial(current.q8_linear, x, q.codes, q.scales, True)}
+            else:
+                calls = {"baseline": partial(baseline.q4_linear, x, block_order, q.scales, q.mins, True),
+                         "current": partial(current.q4_linear, x, q.codes, q.scales, q.mins, True)}
+            got, expected = calls["current"](), calls["baseline"]()
+            if not torch.allclose(got, expected, rtol=1e-4, atol=1e-3 * expected.abs().max().item()):
+                raise SystemExit(f"{name}, {num_rows} rows: the two kernels disagree (is --baseline block order?)")
+            best = {label: min(cpu_us(call, args.seconds) for _ in range(args.rounds)) for label, call in calls.items()}
+            for label in best:
+                one_row.setdefault(label, best[label])
+            row.append(f"{best['baseline']:.0f} / {best['current']:.0f} ({best['current'] / best['baseline']:.2f})")
+            row.append(f"{best['baseline'] / one_row['baseline']:.1f}x / {best['current'] / one_row['current']:.1f}x")
+        table.append(row)
+    headers = ["matrix"]
+    for num_rows in args.rows:
+        headers += [f"{num_rows} rows us", f"{num_rows} rows / 1 row"]
+    print(markdown_table(headers, table))
+
+
+if __name__ == "__main__":
+    main()
