@@ -140,15 +140,47 @@ def test_a_query_row_gives_the_same_bits_alone_in_decode_and_inside_a_verificati
         assert torch.equal(alone, together[t : t + 1]), t
 
 
-def test_a_batch_mixing_decode_rows_with_a_long_prefill_chunk_uses_each_path_where_it_belongs(fused):
+def test_a_batch_mixing_decode_rows_with_a_long_prefill_chunk(fused):
     cache = _cache_with_history(capacity=80)
     batch = ForwardBatch.build([[1], list(range(40)), [2, 3]], [0, 1, 2], [30, 0, 5], [[0], [39], [1]])
-    meta = AttentionMetadata.build(batch, masks=False)
-    assert meta.parts  # the decode rows and the 40-token chunk attend apart
     query = _bf16(43, 4, 16)
-    got = attend(query, cache, 0, meta, fused=fused)
     want = _reference_attention(query, cache, [0, 1, 2], [30, 0, 5], [1, 40, 2])
+    # torch's path: the decode rows and the 40-token chunk attend apart (no padding to the chunk's length)
+    masked = AttentionMetadata.build(batch)
+    assert masked.parts
+    torch.testing.assert_close(attend(query, cache, 0, masked).double(), want, rtol=2**-6, atol=2e-3)
+    # the fused kernel attends every row itself, the chunk's too: no parts, no masks
+    meta = AttentionMetadata.build(batch, masks=False)
+    assert not meta.parts and meta.mask is None and meta.pad_index is None
+    got = attend(query, cache, 0, meta, fused=fused)
     torch.testing.assert_close(got.double(), want, rtol=2**-6, atol=2e-3)
+    with pytest.raises(ValueError, match="fused"):
+        attend(query, cache, 0, meta)  # torch's path cannot read metadata without masks
+
+
+def test_a_prompt_row_gives_the_same_bits_however_the_prompt_was_chunked(fused):
+    # Plain decoding and speculation chunk the same prompt differently (verification rows take part of the step's
+    # token budget); a prompt row must not care, or greedy speculation stops being token-identical to plain
+    # decoding (it did: rewrite prompts of bench/lossless.py in int4 at batch 8, chunks of > 32 rows then ran
+    # torch's scaled_dot_product_attention and shorter ones the fused kernel).
+    model = tiny_specd_model(tiny_hf_config_dict("llama"), seed=5, dtype=torch.bfloat16)
+    prompt = [(7 * i + 3) % 300 + 1 for i in range(90)]
+    results = []
+    for chunks in ([90], [60, 30], [33, 33, 24], [20, 20, 20, 20, 10]):
+        cache = model.make_cache(2, 128)
+        slot = cache.allocate()
+        cache.reserve(128)
+        start, logits = 0, None
+        for n in chunks:
+            batch = ForwardBatch.build([prompt[start : start + n]], [slot], [start], [list(range(n))])
+            rows = model(batch, cache)  # [n, vocab]
+            logits = rows if logits is None else torch.cat([logits, rows])
+            start += n
+        assert logits is not None
+        results.append((logits, torch.stack([layer[:, slot, :, :90] for layer in cache.kv])))
+    for logits, kv in results[1:]:
+        assert torch.equal(logits, results[0][0])
+        assert torch.equal(kv, results[0][1])
 
 
 def test_bad_arguments_name_the_field(fused):

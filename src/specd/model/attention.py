@@ -77,12 +77,19 @@ class AttentionMetadata:
     # A batch mixing decode/verification rows with long prefill chunks attends in two parts, so that decode rows
     # are not padded to the chunk's length: (flat token rows [n_part], that part's metadata) each. Empty otherwise.
     parts: tuple[tuple[torch.Tensor, AttentionMetadata], ...] = ()
+    masked: bool = True  # False: built for the fused kernel (no padding or masks): torch's paths cannot read it
 
     @staticmethod
     def build(batch: ForwardBatch, masks: bool = True) -> AttentionMetadata:
-        """masks=False: skip the padding index and masks of parts with at most GROUPED_MAX_NEW new tokens per
-        sequence, for a forward whose attention runs the fused kernel there (it reads seq_starts/cu_num_new)."""
+        """masks=False: for a forward whose attention runs the fused kernel (`attend(..., fused=...)`), which reads
+        only seq_starts/cu_num_new and attends every row, prefill chunk or not, over exactly its own keys: no
+        padding index, no masks, no parts. Only then is a prompt row's result independent of how the scheduler
+        chunked the prompt, which greedy speculation needs to stay token-identical to plain decoding (the two
+        chunk the same prompt differently when verification rows take part of the step's token budget)."""
         num_new = list(batch.num_new_tokens)
+        if not masks:
+            return AttentionMetadata._build(list(batch.slot_ids), list(batch.start_positions), num_new,
+                                            batch.positions, masks=False)
         short = [i for i, n in enumerate(num_new) if n <= GROUPED_MAX_NEW]
         if not short or len(short) == len(num_new):
             return AttentionMetadata._build(list(batch.slot_ids), list(batch.start_positions), num_new,
@@ -121,7 +128,6 @@ class AttentionMetadata:
                masks: bool = True) -> AttentionMetadata:
         num_seqs = len(slots)
         max_new = max(num_new)
-        masks = masks or max_new > GROUPED_MAX_NEW  # scaled_dot_product_attention's parts always need them
         cu_num_new = [0]
         for n in num_new:
             cu_num_new.append(cu_num_new[-1] + n)
@@ -161,6 +167,7 @@ class AttentionMetadata:
             pad_index=pad_index,
             mask=mask,
             additive_mask=additive_mask,
+            masked=masks,
         )
 
 
@@ -222,18 +229,21 @@ def attend(
 ) -> torch.Tensor:  # [num_tokens, num_heads * head_dim]
     """Attention of the new tokens over each sequence's cached prefix, their own keys included (so `write_kv`
     comes first). scale: the softmax scale, head_dim ** -0.5 when None; 1.0 for queries already scaled.
-    fused: specd.kernels.fused's ops (bfloat16): sequences with at most GROUPED_MAX_NEW new tokens then attend in
-    one call, each query row over exactly its own keys (no padding, no mask)."""
+    fused: specd.kernels.fused's ops (bfloat16): every row, decode, verification or prefill chunk, then attends in
+    one call over exactly its own keys (no padding, no mask), so its bits do not depend on the rest of the batch
+    or on how its prompt was chunked."""
+    if fused is not None:
+        softmax_scale = query.shape[-1] ** -0.5 if scale is None else scale
+        return fused.attention(query, cache.kv[layer], meta.slot_index, meta.seq_starts, meta.cu_num_new,
+                               softmax_scale)
+    if not meta.masked:
+        raise ValueError("attend: metadata built with masks=False is for the fused kernel; pass fused=")
     if meta.parts:
         num_tokens, num_heads, head_dim = query.shape
         out = query.new_empty(num_tokens, num_heads * head_dim)
         for rows, part in meta.parts:
             out[rows] = attend(query[rows], cache, layer, part, scale, fused)
         return out
-    if fused is not None and meta.max_new <= GROUPED_MAX_NEW:
-        softmax_scale = query.shape[-1] ** -0.5 if scale is None else scale
-        return fused.attention(query, cache.kv[layer], meta.slot_index, meta.seq_starts, meta.cu_num_new,
-                               softmax_scale)
     k_cache = cache.keys[layer]  # [num_slots, num_kv_heads, capacity, head_dim]
     v_cache = cache.values[layer]
     if meta.slot_range is not None:

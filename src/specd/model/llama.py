@@ -404,7 +404,7 @@ class LlamaForCausalLM(nn.Module):
         that the LM head reads (EAGLE-1's feature; EAGLE-3 fuses a low, a middle and a high layer). None (the
         default) computes none of them, so callers that don't need features pay nothing.
         """
-        # The fused attention needs no padding index or masks for decode and verification rows.
+        # The fused attention needs no padding index or masks: it attends every row over its own keys.
         meta = AttentionMetadata.build(batch, masks=fused_kernels.for_dtype(self.dtype) is None)
         hidden = self.embed_tokens(batch.token_ids)  # [num_tokens, hidden_size]
         rope = self.rotary.tables(batch.positions, hidden.dtype)
