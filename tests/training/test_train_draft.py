@@ -15,7 +15,7 @@ from specd.model.draft_head import DraftHead, target_fingerprint
 from specd.training import run as run_module
 from specd.training.data import Sample, load_samples
 from specd.training.run import DataConfig, default_conversations, train_draft
-from specd.training.split import PromptSet, default_prompt_set, split_prompts
+from specd.training.split import PromptSet, default_prompt_set, file_prompt_set, split_prompts
 from specd.training.trainer import TrainConfig
 
 
@@ -41,6 +41,7 @@ def no_model_load(monkeypatch: pytest.MonkeyPatch) -> None:
         (["--held-out-templates", "1"], "--held-out-templates"),
         (["--held-out-templates", "-0.1"], "--held-out-templates"),
         (["--self-prompts", "-1"], "--self-prompts"),
+        (["--init-from", "/nonexistent/head"], "--init-from"),
         (["--generate-minutes", "-1"], "--generate-minutes"),
         (["--train-minutes", "-1"], "--train-minutes"),
         (["--threads", "0"], "--threads"),
@@ -170,3 +171,34 @@ def test_report_measures_the_held_out_templates_apart(tmp_path, tokenizer) -> No
         if i not in held_out)
     config = json.loads((tmp_path / "head" / "config.json").read_text())
     assert config["training"]["held_out_tau_templates"] == templates["tau"]
+
+
+def test_init_from_goes_on_training_a_saved_head(tmp_path, tokenizer) -> None:
+    from specd.testing import tiny_hf_config_dict, tiny_specd_model
+    from specd.training.run import evaluate
+
+    target = tiny_specd_model(tiny_hf_config_dict(), seed=0, dtype=torch.float32)
+    data = DataConfig(max_tokens=12, batch_size=8, draft_vocab_size=64, held_out_fraction=0.25, max_prompts=8)
+    cache = tmp_path / "data.pt"
+    first = train_draft(target, tokenizer, "tiny", tmp_path / "a", default_conversations(), data,
+                        TrainConfig(epochs=2, batch_tokens=256), command="first", data_cache=cache)
+    assert first is not None
+    saved = DraftHead.load(tmp_path / "a", target)
+    # A different draft vocabulary size is ignored: the saved head's own vocabulary is kept.
+    wider = DataConfig(max_tokens=12, batch_size=8, draft_vocab_size=96, held_out_fraction=0.25, max_prompts=8)
+    second = train_draft(target, tokenizer, "tiny", tmp_path / "b", default_conversations(), wider,
+                         TrainConfig(epochs=1, batch_tokens=256), command="second", data_cache=cache,
+                         generate=False, init_from=tmp_path / "a")
+    assert second is not None
+    assert torch.equal(second.head.token_map, saved.token_map)
+    # Before training, the second run measures exactly the saved head on the held-out answers.
+    held_out = split_prompts(file_prompt_set(default_conversations()[:8]), 0.25, 0.1, 0).prompts
+    samples = [s for s in load_samples(cache, 8) if s.prompt_index in held_out]
+    assert second.report["held_out_acceptance_per_position_untrained"] == evaluate(saved, samples)[
+        "acceptance_per_position"]
+    config = json.loads((tmp_path / "b" / "config.json").read_text())
+    assert config["training"]["command"] == "second" and config["training"]["continues"]["command"] == "first"
+    assert second.report["init_from"] == str(tmp_path / "a")
+    with pytest.raises(InvalidParameterError, match="--init-from"):
+        train_draft(target, tokenizer, "tiny", tmp_path / "c", default_conversations(), data, TrainConfig(),
+                    data_cache=cache, generate=False, init_from=tmp_path)

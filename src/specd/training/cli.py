@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+from pathlib import Path
 
 import torch
 
@@ -61,6 +62,8 @@ def add_train_draft_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--only", default=None, choices=("generate", "train"),
                         help="generate: stop after saving the data (needs --data-cache); train: train on "
                         "--data-cache as it is, generating nothing")
+    parser.add_argument("--init-from", default=None, metavar="DIR",
+                        help="go on training this saved head (its weights and draft vocabulary) instead of a new one")
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -98,6 +101,8 @@ def run_train_draft(args: argparse.Namespace) -> int:
         raise InvalidParameterError("--out", "is required (the directory to write the head into)")
     if args.only is not None and args.data_cache is None:
         raise InvalidParameterError("--only", "needs --data-cache (the data to save or to train on)")
+    if args.init_from is not None and not (Path(args.init_from) / "config.json").is_file():
+        raise InvalidParameterError("--init-from", f"{args.init_from} is not a head directory (no config.json)")
     prompt_set = file_prompt_set(read_prompt_file(args.prompts)) if args.prompts else default_prompt_set()
     int4 = args.dtype == "int4"
     dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
@@ -106,7 +111,7 @@ def run_train_draft(args: argparse.Namespace) -> int:
     command = "specd train-draft " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["train-draft"] else [])
     result = train_draft(target, checkpoint.tokenizer, args.model, args.out, prompt_set, data, training,
                          command=command, data_cache=args.data_cache, generate=args.only != "train",
-                         train_head=args.only != "generate")
+                         train_head=args.only != "generate", init_from=args.init_from)
     if result is None:
         print(f"[specd] saved the training data in {args.data_cache}", file=sys.stderr)
     else:

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specd.errors import InvalidParameterError
+from specd.errors import InvalidParameterError, ModelLoadError
 from specd.model.draft_head import DraftHead
 from specd.model.llama import LlamaForCausalLM
 from specd.model.tokenizer import Tokenizer
@@ -159,6 +159,7 @@ def train_draft(
     data_cache: str | Path | None = None,
     generate: bool = True,
     train_head: bool = True,
+    init_from: str | Path | None = None,
 ) -> TrainDraftResult | None:
     """The whole pipeline; writes head.safetensors, config.json and report.json (+ report.png) into out_dir.
 
@@ -166,7 +167,8 @@ def train_draft(
     data_cache: a file of the target's answers and features (from the same prompts). Its answers are kept and only
     the missing (prompt, sample) answers are generated; the file is rewritten every few minutes while generating,
     so a stopped run resumes where it was. generate=False trains on the file as it is; train_head=False stops after
-    generating (returns None).
+    generating (returns None). init_from: a saved head to go on training (its weights and draft vocabulary) instead
+    of a fresh one, so training cut short by a time limit can continue.
     """
     if train_head and out_dir is None:
         raise InvalidParameterError("--out", "is required to train a head")
@@ -219,7 +221,14 @@ def train_draft(
 
     token_map = frequent_tokens(train_set, target.config.vocab_size, data.draft_vocab_size,
                                 always=list(target.config.eos_token_ids))
-    head = DraftHead.initialise(target, token_map, target_name, seed=training.seed)
+    if init_from is None:
+        head = DraftHead.initialise(target, token_map, target_name, seed=training.seed)
+    else:
+        try:
+            head = DraftHead.load(init_from, target)
+        except ModelLoadError as exc:
+            raise InvalidParameterError("--init-from", str(exc)) from exc
+        token_map = head.token_map
     before = acceptance(head, [s for s in by_set["prompts"] if s.greedy], REPORT_POSITIONS)
     mark = time.monotonic()
     history = train(head, train_set, held_out, training)
@@ -259,13 +268,16 @@ def train_draft(
                        "held_out_loss": history.held_out_loss},
         # The random share of the given prompts (comparable across heads trained on the same prompt list):
         "held_out_acceptance_per_position": after,
-        "held_out_acceptance_per_position_untrained": before,
+        "held_out_acceptance_per_position_untrained": before,  # before this run's training (--init-from's head)
+        "init_from": None if init_from is None else str(init_from),
         "held_out_tau": {f"k={k}": mean_acceptance_length(after, k) for k in (1, 2, 4, 6)},
         # Every held-out set: "prompts" (as above), "templates" (whole templates never trained on), "self".
         "held_out_sets": held_out_sets,
     }
     assert out_dir is not None  # checked on entry
-    head.save(out_dir, extra={"command": command, "train_response_tokens": report["data"]["train_response_tokens"],
+    earlier = json.loads((Path(init_from) / "config.json").read_text())["training"] if init_from else None
+    head.save(out_dir, extra={"command": command, "continues": earlier,
+                              "train_response_tokens": report["data"]["train_response_tokens"],
                               "held_out_tau": report["held_out_tau"],
                               "held_out_tau_templates": held_out_sets["templates"].get("tau")})
     write_report(Path(out_dir), report)
