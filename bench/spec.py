@@ -67,6 +67,11 @@ class Setting:
     method: str
     k: int = 0
     policy: str = "-"
+    head: str = ""  # eagle/hybrid: a head directory from --draft-heads ("": the shipped head)
+
+    @property
+    def label(self) -> str:
+        return f"{self.method}:{Path(self.head).name}" if self.head else self.method
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +118,9 @@ class Row:
 def settings_for(args: argparse.Namespace) -> list[Setting]:
     ks_of = {"ngram": args.ks, "layerskip": args.layerskip_ks, "eagle": args.eagle_ks, "hybrid": args.eagle_ks}
     wanted = set(args.policies or [p for policies in POLICIES.values() for p in policies])
-    return [Setting(m, k, p) for m in args.methods for k in ks_of[m] for p in POLICIES[m] if p in wanted]
+    heads_of = {m: ["", *args.draft_heads] if m in ("eagle", "hybrid") else [""] for m in args.methods}
+    return [Setting(m, k, p, h) for m in args.methods for h in heads_of[m] for k in ks_of[m] for p in POLICIES[m]
+            if p in wanted]
 
 
 _START = time.perf_counter()
@@ -136,6 +143,7 @@ def engine_config(args: argparse.Namespace, setting: Setting) -> EngineConfig:
             num_speculative_tokens=setting.k,
             k_policy=setting.policy,
             draft_layers=args.draft_layers if setting.method == "layerskip" else None,
+            draft_model=setting.head or None,
         )
     return EngineConfig(model="default", dtype=args.dtype, max_num_seqs=max(8, *args.batch_sizes), speculation=spec,
                         num_threads=args.threads)
@@ -189,7 +197,7 @@ def make_row(engine: str, kind: str, batch: int, setting: Setting, run: Run, pla
     rate = run.rate
     derived = (run.metrics or {}).get("derived", {})
     return Row(
-        engine, kind, batch, setting.method, setting.k, setting.policy, run.num_tokens, run.seconds, rate,
+        engine, kind, batch, setting.label, setting.k, setting.policy, run.num_tokens, run.seconds, rate,
         rate / plain_rate, match_rate(run, plain),
         derived.get("acceptance_rate_pooled"),
         derived.get("accepted_tokens_per_draft_pooled"),
@@ -216,7 +224,7 @@ def measure_group(
         for setting in settings:
             run = run_one(setting)
             runs[setting] = runs[setting].merged(run) if setting in runs else run
-            progress(f"{engine} {kind} b{batch} {setting.method} k={setting.k} {setting.policy}: "
+            progress(f"{engine} {kind} b{batch} {setting.label} k={setting.k} {setting.policy}: "
                      f"{run.rate:.1f} tok/s, {run.seconds:.1f}s")
     plain_runs.append(run_one(Setting("off")))
     plain = plain_runs[0]
@@ -326,6 +334,8 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--layerskip-ks", nargs="+", type=int, default=[4], help="k of layerskip (full grid: 2 4 8)")
     ap.add_argument("--eagle-ks", nargs="+", type=int, default=[2, 4, 6], help="k of eagle, hybrid")
     ap.add_argument("--methods", nargs="+", choices=list(POLICIES), default=["ngram", "layerskip"])
+    ap.add_argument("--draft-heads", nargs="+", default=[], metavar="DIR",
+                    help="eagle/hybrid also with these heads (rows method:DIRNAME), beside the shipped one")
     ap.add_argument("--policies", nargs="+", choices=sorted({p for ps in POLICIES.values() for p in ps}),
                     help="only these k policies (default: every policy of each method)")
     ap.add_argument("--max-tokens", type=int, default=128)

@@ -2,22 +2,15 @@
 
 from __future__ import annotations
 
-import re
 import sys
 from collections import Counter
 from pathlib import Path
 
+from specd.training.overlap import ReservedText, benchmark_texts
 from specd.training.prompts import training_prompts
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from prompts import all_prompts  # bench/prompts.py
-
-SHINGLE = 8
-
-
-def shingles(text: str) -> set[tuple[str, ...]]:
-    words = re.findall(r"[a-z0-9']+", text.lower())
-    return {tuple(words[i : i + SHINGLE]) for i in range(len(words) - SHINGLE + 1)}
 
 
 def test_prompt_set_is_large_diverse_and_deterministic() -> None:
@@ -30,11 +23,20 @@ def test_prompt_set_is_large_diverse_and_deterministic() -> None:
     assert training_prompts() == prompts
 
 
+def test_every_templated_prompt_names_its_template() -> None:
+    prompts = training_prompts()
+    templates = Counter(p.template for p in prompts)
+    assert all(p.template is None for p in prompts if p.kind == "qa")
+    assert all(p.template is not None and p.template.startswith(p.kind + "/") for p in prompts if p.kind != "qa")
+    assert len(templates) - 1 == 11 + 8 + 4 + 4 + 4  # chat, writing, code, summarise, edit (+ None)
+    assert min(n for t, n in templates.items() if t is not None) >= 10
+
+
 def test_no_training_prompt_shares_text_with_a_benchmark_prompt() -> None:
     bench = [m["content"] for p in all_prompts() for m in p.messages]
-    bench_shingles = set().union(*(shingles(t) for t in bench))
+    assert set(bench) <= set(benchmark_texts())  # what self-generated prompts are filtered against
+    reserved = ReservedText(bench)
     bench_lines = {line.strip().lower() for t in bench for line in t.splitlines() if len(line.split()) >= 4}
     for prompt in training_prompts():
-        assert not shingles(prompt.text) & bench_shingles, prompt.text
-        assert prompt.text.strip().lower() not in bench_lines
+        assert not reserved.overlaps(prompt.text), prompt.text
         assert all(line.strip().lower() not in bench_lines for line in prompt.text.splitlines()), prompt.text

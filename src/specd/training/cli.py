@@ -6,11 +6,13 @@ from __future__ import annotations
 import argparse
 import shlex
 import sys
+from pathlib import Path
 
 import torch
 
 from specd.errors import InvalidParameterError
-from specd.training.run import DataConfig, default_conversations, summary_line, train_draft
+from specd.training.run import DataConfig, summary_line, train_draft
+from specd.training.split import default_prompt_set, file_prompt_set
 from specd.training.trainer import TrainConfig
 
 _DTYPES = ("float32", "bfloat16", "int4")
@@ -36,7 +38,14 @@ def add_train_draft_arguments(parser: argparse.ArgumentParser) -> None:
                         help="rows of the head's reduced LM head (the target's most frequent answer tokens)")
     parser.add_argument("--held-out", type=float, default=data.held_out_fraction,
                         help="share of prompts kept out of training for the report")
-    parser.add_argument("--max-prompts", type=int, default=None, help="use only the first N prompts")
+    parser.add_argument("--held-out-templates", type=float, default=data.held_out_templates,
+                        help="share of each kind's templates (shipped prompt set) whose prompts are all kept out of "
+                        "training, so one held-out figure is about unseen kinds of prompt (0: none)")
+    parser.add_argument("--self-prompts", type=int, default=data.self_prompts, metavar="N",
+                        help="add N prompts the target writes itself (sampled user turns, filtered; saved next to "
+                        "--data-cache and reused)")
+    parser.add_argument("--max-prompts", type=int, default=None,
+                        help="use only the first N prompts (before the self-generated ones)")
     parser.add_argument("--generate-minutes", type=float, default=_minutes(data.max_generate_s),
                         help="stop generating after this long (answers in flight are dropped; 0: no limit)")
     parser.add_argument("--epochs", type=int, default=training.epochs)
@@ -53,6 +62,8 @@ def add_train_draft_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--only", default=None, choices=("generate", "train"),
                         help="generate: stop after saving the data (needs --data-cache); train: train on "
                         "--data-cache as it is, generating nothing")
+    parser.add_argument("--init-from", default=None, metavar="DIR",
+                        help="go on training this saved head (its weights and draft vocabulary) instead of a new one")
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -78,6 +89,7 @@ def run_train_draft(args: argparse.Namespace) -> int:
     data = DataConfig(samples_per_prompt=args.samples_per_prompt, max_tokens=args.max_tokens,
                       temperature=args.temperature, batch_size=args.batch_size,
                       draft_vocab_size=args.draft_vocab_size, held_out_fraction=args.held_out,
+                      held_out_templates=args.held_out_templates, self_prompts=args.self_prompts,
                       max_prompts=args.max_prompts,
                       max_generate_s=_seconds("--generate-minutes", args.generate_minutes),
                       seed=args.seed)
@@ -89,15 +101,17 @@ def run_train_draft(args: argparse.Namespace) -> int:
         raise InvalidParameterError("--out", "is required (the directory to write the head into)")
     if args.only is not None and args.data_cache is None:
         raise InvalidParameterError("--only", "needs --data-cache (the data to save or to train on)")
-    conversations = read_prompt_file(args.prompts) if args.prompts else default_conversations()
+    if args.init_from is not None and not (Path(args.init_from) / "config.json").is_file():
+        raise InvalidParameterError("--init-from", f"{args.init_from} is not a head directory (no config.json)")
+    prompt_set = file_prompt_set(read_prompt_file(args.prompts)) if args.prompts else default_prompt_set()
     int4 = args.dtype == "int4"
     dtype = torch.float32 if args.dtype == "float32" else torch.bfloat16
     checkpoint = load_checkpoint(args.model, torch.float32 if int4 else dtype)
     target = build_model(checkpoint.config, checkpoint.state_dict, dtype, int4=int4)
     command = "specd train-draft " + shlex.join(sys.argv[2:] if sys.argv[1:2] == ["train-draft"] else [])
-    result = train_draft(target, checkpoint.tokenizer, args.model, args.out, conversations, data, training,
+    result = train_draft(target, checkpoint.tokenizer, args.model, args.out, prompt_set, data, training,
                          command=command, data_cache=args.data_cache, generate=args.only != "train",
-                         train_head=args.only != "generate")
+                         train_head=args.only != "generate", init_from=args.init_from)
     if result is None:
         print(f"[specd] saved the training data in {args.data_cache}", file=sys.stderr)
     else:

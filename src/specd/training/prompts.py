@@ -15,6 +15,7 @@ from typing import NamedTuple
 class TrainingPrompt(NamedTuple):
     kind: str  # chat, writing, code, qa, summarise, edit
     text: str  # one user turn
+    template: str | None = None  # e.g. "chat/3": the template it was made from; None for a question of its own
 
 
 _TOPICS = [
@@ -138,26 +139,28 @@ _EDIT_TEMPLATES = [
 
 
 def training_prompts(seed: int = 0) -> list[TrainingPrompt]:
-    """The default training prompt set (446 instructions), in a fixed, shuffled order."""
+    """The default training prompt set (446 instructions), in a fixed, shuffled order. Each names the template it
+    was made from (the QA questions stand alone), so whole templates can be held out of training."""
     rng = random.Random(seed)
     prompts: list[TrainingPrompt] = []
-    for template in _CHAT_TEMPLATES:
+    for number, template in enumerate(_CHAT_TEMPLATES):
         slot, pool = ("topic", _TOPICS) if "{topic}" in template else ("activity", _ACTIVITIES)
         for subject in rng.sample(pool, 14):
-            prompts.append(TrainingPrompt("chat", template.format(**{slot: subject})))
-    for template in _WRITING_TEMPLATES:
+            prompts.append(TrainingPrompt("chat", template.format(**{slot: subject}), f"chat/{number}"))
+    for number, template in enumerate(_WRITING_TEMPLATES):
         slot, pool = ("topic", _TOPICS) if "{topic}" in template else ("activity", _ACTIVITIES)
         for subject in rng.sample(pool, 12):
-            prompts.append(TrainingPrompt("writing", template.format(**{slot: subject})))
-    for template in _CODE_TEMPLATES:
+            prompts.append(TrainingPrompt("writing", template.format(**{slot: subject}), f"writing/{number}"))
+    for number, template in enumerate(_CODE_TEMPLATES):
         for task in rng.sample(_CODE_TASKS, 16):
-            prompts.append(TrainingPrompt("code", template.format(task=task)))
+            prompts.append(TrainingPrompt("code", template.format(task=task), f"code/{number}"))
     prompts += [TrainingPrompt("qa", question) for question in _QA]
-    for template in _SUMMARISE_TEMPLATES:
+    for number, template in enumerate(_SUMMARISE_TEMPLATES):
         for _ in range(14):
-            prompts.append(TrainingPrompt("summarise", template.format(paragraph=_paragraph(rng))))
-    for template in _EDIT_TEMPLATES:
+            prompts.append(TrainingPrompt("summarise", template.format(paragraph=_paragraph(rng)),
+                                          f"summarise/{number}"))
+    for number, template in enumerate(_EDIT_TEMPLATES):
         for _ in range(10):
-            prompts.append(TrainingPrompt("edit", template.format(paragraph=_paragraph(rng))))
+            prompts.append(TrainingPrompt("edit", template.format(paragraph=_paragraph(rng)), f"edit/{number}"))
     rng.shuffle(prompts)
     return prompts

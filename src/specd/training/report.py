@@ -31,7 +31,7 @@ def write_report(directory: Path, report: dict[str, Any]) -> list[Path]:
     loss_ax.legend()
     positions = range(1, len(report["held_out_acceptance_per_position"]) + 1)
     accept_ax.bar([p - 0.2 for p in positions], report["held_out_acceptance_per_position_untrained"], 0.4,
-                  label="untrained")
+                  label="untrained" if report.get("init_from") is None else "before (--init-from)")
     accept_ax.bar([p + 0.2 for p in positions], report["held_out_acceptance_per_position"], 0.4, label="trained")
     accept_ax.set_xlabel("draft position")
     accept_ax.set_ylabel("P(accepted up to here), greedy")
