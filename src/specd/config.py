@@ -8,7 +8,7 @@ from typing import Literal, get_args
 
 import torch
 
-from specd.errors import InvalidParameterError
+from specd.errors import InvalidParameterError, require_int
 from specd.speculation.k_policy import MAX_NUM_SPECULATIVE_TOKENS
 from specd.speculation.ngram import check_match_lengths
 from specd.speculation.policies import K_POLICIES
@@ -35,11 +35,6 @@ def spec_methods() -> list[str]:
 def k_policies() -> list[str]:
     """Every valid k policy name (the registry's)."""
     return list(K_POLICIES)
-
-
-def _positive_int(name: str, value: object, lo: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise InvalidParameterError(name, f"must be an integer >= {lo}, got {value!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +72,7 @@ class SpeculationConfig:
     def __post_init__(self) -> None:
         if self.method not in spec_methods():
             raise InvalidParameterError("speculation.method", f"must be one of {', '.join(spec_methods())}")
-        _positive_int("speculation.num_speculative_tokens", self.num_speculative_tokens)
+        require_int("speculation.num_speculative_tokens", self.num_speculative_tokens)
         if self.num_speculative_tokens > MAX_NUM_SPECULATIVE_TOKENS:
             raise InvalidParameterError(
                 "speculation.num_speculative_tokens", f"must be <= {MAX_NUM_SPECULATIVE_TOKENS}"
@@ -90,7 +85,7 @@ class SpeculationConfig:
         if self.method == "draft" and not self.draft_model:
             raise InvalidParameterError("speculation.draft_model", "is required when method is 'draft'")
         if self.draft_layers is not None:
-            _positive_int("speculation.draft_layers", self.draft_layers)
+            require_int("speculation.draft_layers", self.draft_layers)
         if not (0.0 < self.confidence_threshold < 1.0):
             raise InvalidParameterError("speculation.confidence_threshold", "must be in (0, 1)")
         if self.enabled:
@@ -101,8 +96,8 @@ class SpeculationConfig:
                     "speculation.k_policy",
                     f"{self.k_policy!r} does not work with the {self.method!r} proposer: {reason} ({works_with})",
                 )
-        _positive_int("speculation.heuristic_probe_interval", self.heuristic_probe_interval)
-        _positive_int("speculation.hybrid_min_match", self.hybrid_min_match)
+        require_int("speculation.heuristic_probe_interval", self.heuristic_probe_interval)
+        require_int("speculation.hybrid_min_match", self.hybrid_min_match)
         if self.method == "hybrid" and self.hybrid_min_match > self.ngram_max_match:
             raise InvalidParameterError(
                 "speculation.hybrid_min_match",
@@ -146,21 +141,21 @@ class EngineConfig:
             raise InvalidParameterError("model", "must be a non-empty string")
         if self.dtype not in DTYPES:
             raise InvalidParameterError("dtype", f"must be one of {', '.join(get_args(DType))}")
-        _positive_int("max_num_seqs", self.max_num_seqs)
-        _positive_int("max_model_len", self.max_model_len, 2)
-        _positive_int("max_num_batched_tokens", self.max_num_batched_tokens)
+        require_int("max_num_seqs", self.max_num_seqs)
+        require_int("max_model_len", self.max_model_len, 2)
+        require_int("max_num_batched_tokens", self.max_num_batched_tokens)
         if self.max_num_batched_tokens < max(self.max_num_seqs, self.speculation.num_speculative_tokens + 1):
             raise InvalidParameterError(
                 "max_num_batched_tokens",
                 "must be at least max_num_seqs (one token per running sequence) and num_speculative_tokens + 1",
             )
-        _positive_int("max_waiting", self.max_waiting, 0)
+        require_int("max_waiting", self.max_waiting, 0)
         if not (self.log_stats_interval_s == 0 or MIN_LOG_STATS_INTERVAL_S <= self.log_stats_interval_s < math.inf):
             raise InvalidParameterError(
                 "log_stats_interval_s", f"must be 0 (off) or a finite number of seconds >= {MIN_LOG_STATS_INTERVAL_S}"
             )
         if self.num_threads is not None:
-            _positive_int("num_threads", self.num_threads)
+            require_int("num_threads", self.num_threads)
         if not isinstance(self.speculation, SpeculationConfig):
             raise InvalidParameterError("speculation", "must be a SpeculationConfig")
 

@@ -16,6 +16,12 @@ class InvalidParameterError(SpecdError, ValueError):
         self.message = message
 
 
+def require_int(field: str, value: object, lo: int = 1) -> None:
+    """Raise InvalidParameterError naming `field` unless `value` is an int (not a bool) >= lo."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise InvalidParameterError(field, f"must be an integer >= {lo}, got {value!r}")
+
+
 class PromptTooLongError(InvalidParameterError):
     """The prompt (plus at least one generated token) does not fit in max_model_len."""
 

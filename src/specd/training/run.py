@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from specd.errors import InvalidParameterError, ModelLoadError
+from specd.errors import InvalidParameterError, ModelLoadError, require_int
 from specd.model.draft_head import DraftHead
 from specd.model.llama import LlamaForCausalLM
 from specd.model.tokenizer import Tokenizer
@@ -56,17 +56,14 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         for name in ("samples_per_prompt", "max_tokens", "batch_size", "draft_vocab_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidParameterError(f"--{name.replace('_', '-')}", f"must be an integer >= 1, got {value!r}")
+            require_int(f"--{name.replace('_', '-')}", getattr(self, name))
         if not 0 < self.temperature <= 2:
             raise InvalidParameterError("--temperature", "must be in (0, 2]")
         if not 0 < self.held_out_fraction < 1:
             raise InvalidParameterError("--held-out", "must be in (0, 1)")
         if not 0 <= self.held_out_templates < 1:
             raise InvalidParameterError("--held-out-templates", "must be in [0, 1)")
-        if isinstance(self.self_prompts, bool) or not isinstance(self.self_prompts, int) or self.self_prompts < 0:
-            raise InvalidParameterError("--self-prompts", f"must be an integer >= 0, got {self.self_prompts!r}")
+        require_int("--self-prompts", self.self_prompts, lo=0)
         if self.max_generate_s is not None and not self.max_generate_s > 0:
             raise InvalidParameterError("--generate-minutes", "must be > 0")
         if self.max_prompts is not None and self.max_prompts < 2:

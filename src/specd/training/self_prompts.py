@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from specd.config import EngineConfig
-from specd.errors import InvalidParameterError
+from specd.errors import InvalidParameterError, require_int
 from specd.model.llama import LlamaForCausalLM
 from specd.model.tokenizer import Tokenizer
 from specd.sampling.params import SamplingParams
@@ -42,12 +42,9 @@ class SelfPromptConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if isinstance(self.count, bool) or not isinstance(self.count, int) or self.count < 0:
-            raise InvalidParameterError("--self-prompts", f"must be an integer >= 0, got {self.count!r}")
+        require_int("--self-prompts", self.count, lo=0)
         for name in ("max_tokens", "min_words", "max_words", "max_candidates_per_prompt", "batch_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise InvalidParameterError(f"self_prompts.{name}", f"must be an integer >= 1, got {value!r}")
+            require_int(f"self_prompts.{name}", getattr(self, name))
         if self.max_words < self.min_words:
             raise InvalidParameterError("self_prompts.max_words", "must be >= min_words")
         if not 0 < self.temperature <= 2:
