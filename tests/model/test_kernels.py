@@ -111,6 +111,25 @@ def test_activation_model_rounds_like_the_kernel():
     assert quantize_activations(x)[0, :5].tolist() == [127.0, 0.0, -0.0, 2.0, 63.0]  # ties to even
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("in_features", [160, 192, 256], ids=["group+1", "group+2", "2 groups"])
+def test_every_activation_code_is_the_models(native, dtype, in_features):
+    # An identity weight reads each quantised activation back through one product: a code one step off (1/127 of
+    # its block's max) is far outside the float32 rounding allowed here. Rows hold ties (x * 127 / max|x| = n + 0.5,
+    # rounded to even), zeros, one block of zeros (scale 0) and random values; the inputs span full groups of
+    # four blocks and the last, partial group, which sit in different places of the code layout.
+    weight = quantize_q8(torch.eye(in_features))
+    ties = torch.arange(in_features, dtype=torch.float32).remainder(31) - 15.5  # |x| < 127: n + 0.5 codes
+    ties[::32] = 127.0  # each block's max is 127, so x * 127 / max = x
+    zeros = torch.randn(in_features)
+    zeros[32:64] = 0.0
+    x = torch.stack([ties, -ties, zeros, torch.randn(in_features) * 5]).to(dtype)
+    got = weight.linear(native, x, float_out=True).double()
+    expected = reference_linear(weight, x.float())
+    torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-9)
+    assert torch.equal(got[:, 32:64][2], torch.zeros(32, dtype=torch.float64))
+
+
 def test_bad_arguments_name_the_field(native):
     weight = quantize_q4(_weights(out_features=16, in_features=64))
     with pytest.raises(RuntimeError, match="x has 32 inputs, the weight 64"):

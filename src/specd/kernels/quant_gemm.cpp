@@ -31,6 +31,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__) && !defined(SPECD_SCALAR)
@@ -82,6 +84,62 @@ struct QuantRows {
   const float* row_sums(int64_t row) const { return sums.data() + row * sum_stride; }
 };
 
+#if SPECD_AVX2
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
+// One block of 32 inputs: its codes into `dst` (a row in group order); returns (scale, sum of x). The codes and the
+// scale are the scalar loop's (one float product per input, rounded to nearest even, |code| <= 127); the sum adds
+// in another order. Eight 4-byte stores put the codes in group order.
+template <typename T>
+inline std::pair<float, float> quantize_block(const T* src, int8_t* dst, int64_t block, int64_t full_blocks) {
+  const __m256 v0 = load8(src), v1 = load8(src + 8), v2 = load8(src + 16), v3 = load8(src + 24);
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  const __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v0, magnitude), _mm256_and_ps(v1, magnitude)),
+                                 _mm256_max_ps(_mm256_and_ps(v2, magnitude), _mm256_and_ps(v3, magnitude)));
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  h = _mm_max_ss(h, _mm_movehdup_ps(h));
+  const float amax = _mm_cvtss_f32(h);
+  const __m256 total = _mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3));
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(total), _mm256_extractf128_ps(total, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+  // |x| * 127 / amax is 127 at most, up to a rounding: the packs saturate at 127, the max keeps -127 the floor
+  const __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, inv)), q1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, inv));
+  const __m256i q2 = _mm256_cvtps_epi32(_mm256_mul_ps(v2, inv)), q3 = _mm256_cvtps_epi32(_mm256_mul_ps(v3, inv));
+  const __m256i bytes = _mm256_max_epi8(
+      _mm256_packs_epi16(_mm256_packs_epi32(q0, q1), _mm256_packs_epi32(q2, q3)), _mm256_set1_epi8(-127));
+  // 4-byte word w of `bytes` holds inputs first_input[w] .. + 3 (the packs interleave the 128-bit halves)
+  alignas(32) int32_t words[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(words), bytes);
+  constexpr int64_t first_input[8] = {0, 8, 16, 24, 4, 12, 20, 28};
+  for (int64_t w = 0; w < 8; ++w) std::memcpy(dst + input_position(block, first_input[w], full_blocks), &words[w], 4);
+  return {amax / 127.f, _mm_cvtss_f32(s)};
+}
+#else
+template <typename T>
+inline std::pair<float, float> quantize_block(const T* src, int8_t* dst, int64_t block, int64_t full_blocks) {
+  float values[kBlock];
+  float amax = 0.f, sum = 0.f;
+  for (int64_t i = 0; i < kBlock; ++i) {
+    values[i] = static_cast<float>(src[i]);
+    amax = std::max(amax, std::fabs(values[i]));
+    sum += values[i];
+  }
+  const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  for (int64_t i = 0; i < kBlock; ++i) {
+    const float v = std::nearbyint(values[i] * inv);
+    dst[input_position(block, i, full_blocks)] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, v)));
+  }
+  return {amax / 127.f, sum};
+}
+#endif
+
 template <typename T>
 QuantRows quantize_rows(const T* x, int64_t rows, int64_t k) {
   const int64_t blocks = k / kBlock, groups = (blocks + kGroupBlocks - 1) / kGroupBlocks;
@@ -90,23 +148,9 @@ QuantRows quantize_rows(const T* x, int64_t rows, int64_t k) {
   QuantRows q{k, groups, sum_stride, std::vector<int8_t>(rows * k), std::vector<float>(rows * groups * 8, 0.f),
               std::vector<float>(rows * sum_stride, 0.f)};
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-    float values[kBlock];
     for (int64_t r = begin; r < end; ++r) {
-      int8_t* dst = q.codes.data() + r * k;
       for (int64_t b = 0; b < blocks; ++b) {
-        const T* src = x + r * k + b * kBlock;
-        float amax = 0.f, sum = 0.f;
-        for (int64_t i = 0; i < kBlock; ++i) {
-          values[i] = static_cast<float>(src[i]);
-          amax = std::max(amax, std::fabs(values[i]));
-          sum += values[i];
-        }
-        const float scale = amax / 127.f;
-        const float inv = amax > 0.f ? 127.f / amax : 0.f;
-        for (int64_t i = 0; i < kBlock; ++i) {
-          const float v = std::nearbyint(values[i] * inv);
-          dst[input_position(b, i, full_blocks)] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, v)));
-        }
+        const auto [scale, sum] = quantize_block(x + r * k + b * kBlock, q.codes.data() + r * k, b, full_blocks);
         const int64_t lane = (r * groups + b / kGroupBlocks) * 8 + b % kGroupBlocks;
         q.scales[lane] = q.scales[lane + 4] = scale;
         q.sums[r * sum_stride + b] = sum;
