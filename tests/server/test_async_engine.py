@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import threading
 import time
 
 import pytest
@@ -157,11 +158,24 @@ def test_full_queue_line_is_first_come_first_served(engine_and_llm):
 
 def test_line_entry_that_times_out_never_runs(engine_and_llm):
     engine, llm, _ = engine_and_llm
+    # Hold the engine while "gave-up" waits: on a fast machine the tiny model can finish a 150-token
+    # request inside 0.2 s, free a slot and admit it (a CI run saw exactly that).
+    moving = threading.Event()
+    moving.set()
+    step = llm.step
+
+    def held_step():
+        moving.wait()
+        return step()
+
+    llm.step = held_step
 
     async def main() -> None:
         full = await engine.add_requests([_request(llm, f"f-{i}") for i in range(4)])
+        moving.clear()
         with pytest.raises(QueueFullError, match=r"within 0\.2s"):
             await engine.add_requests([_request(llm, "gave-up")], wait_s=0.2)
+        moving.set()
         full.abort()
         _ = [d async for d in full]
         later = await engine.add_requests([_request(llm, "later", SamplingParams(max_tokens=2))], wait_s=5)
