@@ -8,7 +8,7 @@ import random
 import pytest
 
 from specd.speculation.k_policy import DraftOutcome, DraftSpan, EngineLoad, StepReport, StepView
-from specd.speculation.policies.adaptive import PROBE_INTERVAL, AdaptiveK, choose
+from specd.speculation.policies.adaptive import EXPLORE_K, PROBE_INTERVAL, PROBE_SHARE, AdaptiveK, choose
 from specd.speculation.policies.step_cost import DraftCost, ForwardCost
 
 BUDGET = 512
@@ -62,10 +62,38 @@ def _policy(seq_ids, k_max: int = 8) -> AdaptiveK:
     return policy
 
 
-def test_explores_with_k_max_until_the_cost_was_measured() -> None:
-    policy = _policy([1])
-    assert policy.plan([1], _load(1)) == [8]
+def test_explores_with_one_token_per_sequence_until_the_cost_was_measured() -> None:
+    policy = _policy([1, 2, 3])
+    assert policy.plan([1, 2, 3], _load(3)) == [EXPLORE_K] * 3  # not k_max: 8 sequences x 8 tokens cost ~7 steps
     assert policy.last_decision is not None and policy.last_decision.cause == "explore"
+    for num_rows in (3, 6, 9):  # the prefill and the first steps make the cells
+        policy.observe(StepReport([DraftOutcome(i, 0, 0, 0) for i in (1, 2, 3)], num_rows, 0.0,
+                                  compute_bound(3, num_rows), 3, True, num_seqs=3))
+    policy.plan([1, 2, 3], _load(3))
+    assert policy.last_decision.cause != "explore"
+
+
+def test_probes_cost_at_most_their_share_of_the_step() -> None:
+    def linear(num_seqs: int, num_rows: int) -> float:
+        return 0.030 + 0.005 * num_rows  # every row costs: a probe at 8 sequences is 1/14 of the step
+
+    for cost, num_seqs in [(weight_bound, 1), (linear, 8)]:
+        policy = _policy(range(num_seqs))
+        _teach_acceptance(policy, 0, 0.0)  # its drafts are never accepted: only probes verify any
+        _teach_cost(policy, cost, [num_seqs])
+        policy.plan(list(range(num_seqs)), _load(num_seqs))
+        step = cost(num_seqs, num_seqs)
+        per_row = cost(num_seqs, num_seqs + 1) - step
+        # num_seqs sequences probing once per interval add num_seqs * per_row / interval seconds to a step.
+        assert num_seqs * per_row / policy.probe_interval <= PROBE_SHARE * step * 1.05
+        assert policy.probe_interval >= PROBE_INTERVAL
+        idle = policy.probe_interval
+        for _ in range(idle - 1):
+            policy.observe(StepReport([DraftOutcome(0, 0, 0, 0)], 0, 0.0, 0.0, 0, False))
+        assert policy.keep([DraftSpan(0, 4, 0)], StepView(num_seqs, num_seqs + 4, BUDGET, True))[0] == 0
+        policy.observe(StepReport([DraftOutcome(0, 0, 0, 0)], 0, 0.0, 0.0, 0, False))
+        assert policy.keep([DraftSpan(0, 4, 0)], StepView(num_seqs, num_seqs + 4, BUDGET, True))[0] == 1
+    assert policy.probe_interval > 2 * PROBE_INTERVAL  # rows are dear at 8 sequences: probes are rarer
 
 
 def test_cheap_verification_keeps_drafts_at_every_batch_size() -> None:

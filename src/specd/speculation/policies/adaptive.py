@@ -25,14 +25,16 @@ re-decides after drafting with the step as formed (prompt chunks included) and t
 match length), counting drafting as already paid, so it can only cut. Acceptance is counted per (bucket,
 position), engine-wide and per sequence (shrunk towards the engine-wide value, so a sequence that copies well
 earns long drafts and one that does not is cut), with a bucket-blind count for `plan`; one policy instance
-serves one engine, so the estimates are also per proposer. A sequence that drafted nothing for PROBE_INTERVAL
+serves one engine, so the estimates are also per proposer. A sequence that drafted nothing for the probe interval
 steps verifies one token anyway: estimates only change through verified tokens, and the forward's cost at
-R > S is only measured by drafting. Until the forward's cost was measured at three points, it drafts k_max
-(exploring, which is how those points get measured).
+R > S is only measured by drafting. Probes are not free (a row each), so the interval grows with what a row
+costs: at most PROBE_SHARE of the step time goes to them. Until the forward's cost was measured at three points,
+every sequence drafts one token (exploring, which is how those points get measured: a step at R = 2S is one).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
@@ -44,7 +46,12 @@ if TYPE_CHECKING:
     from specd.config import SpeculationConfig
 
 MARGIN = 0.03  # drafting must promise this much more than plain decoding: estimates are noisy, a tax is not
-PROBE_INTERVAL = 16
+PROBE_INTERVAL = 16  # the shortest probe interval (steps), where a row is nearly free
+MAX_PROBE_INTERVAL = 256
+PROBE_SHARE = 0.01  # probes may cost at most this share of the step time (int4, 8 sequences: a row is ~1/8 of the
+# step, so every sequence probing each 16 steps cost ~6% of the throughput while ~20% of chat's probes were accepted)
+EXPLORE_K = 1  # draft tokens per sequence while the forward's cost is unknown: k_max was a 72-row step at 8
+# sequences (~7 plain int4 steps) to learn one cell that a 16-row step measures as well
 _PRIOR = (1.0, 2.0)  # (accepted, reached) pseudo-counts: an unseen position is worth 0.5
 _SEQ_PRIOR_WEIGHT = 4.0
 _HALVE_AT = 512.0
@@ -133,8 +140,8 @@ def choose(
     draft_per_position: seconds one more draft position adds (0: drafts are made or free)."""
     longest = max((len(row) for row in values), default=0)
     cost = forward.at(num_seqs, base_rows + sum(len(row) for row in values) // 2)
-    if cost is None:
-        return Decision([len(row) for row in values], "explore", None, None)  # the scheduler cuts to the budget
+    if cost is None:  # the scheduler cuts to the budget
+        return Decision([min(len(row), EXPLORE_K) for row in values], "explore", None, None)
     plain_seconds = max(cost.seconds - cost.seconds_per_row * (sum(len(row) for row in values) // 2), 1e-9)
     rate_plain = num_seqs / plain_seconds
     best = (rate_plain * (1.0 + MARGIN), 0, 0)  # (rate, cap, number of tokens kept)
@@ -177,6 +184,7 @@ class AdaptiveK(KPolicy):
         self.zero_k_causes: dict[str, int] = {"cost": 0, "cut": 0}
         self._planned: dict[int, int] = {}  # seq_id -> k_i of its last plan (for the causes above only)
         self.num_probes = 0
+        self.probe_interval = PROBE_INTERVAL  # steps without a verified draft before a sequence probes; set by plan
 
     @classmethod
     def from_config(cls, spec: SpeculationConfig) -> AdaptiveK:
@@ -187,7 +195,16 @@ class AdaptiveK(KPolicy):
         self._idle[seq_id] = 0
 
     def _probing(self, seq_id: int) -> bool:
-        return self._idle.get(seq_id, 0) >= PROBE_INTERVAL
+        return self._idle.get(seq_id, 0) >= self.probe_interval
+
+    def _interval(self, num_seqs: int) -> int:
+        """The probe interval that keeps probes under PROBE_SHARE of the step time: num_seqs sequences probing
+        once every N steps add num_seqs / N rows per step, each costing the forward's measured seconds per row."""
+        cost = self.forward.at(num_seqs, num_seqs)
+        if cost is None:
+            return PROBE_INTERVAL
+        interval = num_seqs * cost.seconds_per_row / (PROBE_SHARE * cost.seconds)
+        return min(MAX_PROBE_INTERVAL, max(PROBE_INTERVAL, math.ceil(interval)))
 
     def plan(self, seq_ids: Sequence[int], load: EngineLoad) -> list[int]:
         num_seqs = max(load.num_running, len(seq_ids))
@@ -198,6 +215,7 @@ class AdaptiveK(KPolicy):
         drafting = sum(1 for sid in seq_ids if self._k_max[sid] > 0)
         decision = choose(values, num_seqs, num_seqs, max_rows, self.forward, self.draft.per_position(drafting))
         self.last_decision = decision
+        self.probe_interval = self._interval(num_seqs)
         ks = list(decision.k)
         for i, sid in enumerate(seq_ids):
             if ks[i] == 0 and self._probing(sid):
@@ -245,6 +263,7 @@ class AdaptiveK(KPolicy):
             else round(last.rate_chosen, 3),
             "zero_k_sequence_steps": dict(self.zero_k_causes),
             "probes": self.num_probes,
+            "probe_interval_steps": self.probe_interval,
             "step_ms_by_seqs_and_rows": self.forward.snapshot(),
             "accept_prob_by_bucket_and_position": self.acceptance.snapshot(),
         }
