@@ -14,8 +14,8 @@ from specd.model.config import ModelArchConfig
 from specd.model.llama import LlamaForCausalLM, build_model
 from specd.testing import tiny_hf_config_dict, tiny_hf_model
 
-# hidden 64 / intermediate 128: projections of 2 and 4 blocks; hidden 160 / intermediate 288 (head_dim 40): 5 and 9
-# blocks, so full groups of four blocks and partial last groups, and output counts off the 4-column tiles
+# hidden 64 / intermediate 128: projections of 2 and 4 input blocks; hidden 160 / intermediate 288 (head_dim 40): 5
+# and 9 blocks, so the GEMMs run full groups of four blocks and partial last groups
 CONFIGS = {"small": {}, "odd": {"hidden_size": 160, "intermediate_size": 288}}
 
 
