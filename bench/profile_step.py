@@ -7,8 +7,10 @@ Each --batch size: that many sequences, one new token each after a --context-tok
 For each dtype: the median wall and CPU time of a step without the profiler, then --steps steps under
 torch.profiler, whose per-op self times are summed by category (a nested op's time counts once, in the op
 that spent it). In the bfloat16 modes (int4, bfloat16), when specd's fused layer ops (`specd.kernels.fused`)
-are built, each dtype gets two rows from the same process: torch's composite layer ops ("torch ops", the code
-before the fused ops) and the fused ops, their timed steps alternating:
+are built, each dtype gets several rows from the same process, their timed steps alternating: torch's composite
+layer ops ("torch ops", the code before the fused ops), the fused ops called one by one from Python ("fused
+ops"), and, where the layers qualify (int4 with the native GEMMs), all decoder layers in one native call
+("one-call layers", the default path; its sub-steps are labelled from C++, so they land in the same categories):
 
 - GEMM: the projections (specd's native q4 kernel, torch's int4 weight-only kernel, oneDNN and plain
   matmuls; the native calls are not torch ops, so the profiled steps wrap them in
@@ -18,7 +20,8 @@ before the fused ops) and the fused ops, their timed steps alternating:
 - attention: query x keys, softmax, probabilities x values (specd's fused decode attention included);
 - norm: RMSNorm kernels and the ops of its composite path (specd's fused add + norm included);
 - rope+KV: the rotary ops and the KV-cache write (specd's fused rotary + write included);
-- elementwise/copies: SiLU x up, residual adds, casts, copies, embedding lookup;
+- elementwise/copies: SiLU x up, residual adds, casts, copies, embedding lookup, and the one-call layers' own
+  time outside their labelled sub-steps (allocations, views);
 - views: view/slice/select/reshape-style ops, which move no data: their time is dispatch;
 - Python/gaps: the profiled step time not inside any op -- interpreter time between ops.
 
@@ -27,7 +30,8 @@ than they are. `ops/step` counts top-level operator calls: each one pays the dis
 process CPU time of a step: on a machine other jobs share it moves far less than wall time, so with
 OMP_NUM_THREADS=1 it is the figure to compare two versions of the code by (with more threads it includes
 OpenMP's spin-waiting). The int4 rows say which GEMM kernels ran ("native" with SPECD_NATIVE_KERNELS=1, else
-"torch"; SPECD_NATIVE_KERNELS=0 also leaves the fused ops unbuilt, so only the torch-ops row).
+"torch"; SPECD_NATIVE_KERNELS=0 also leaves the fused ops unbuilt, so only the torch-ops row). --fused-only keeps
+only the model's default path (one-call layers where they qualify, else the fused ops); --variants picks rows.
 """
 
 from __future__ import annotations
@@ -83,7 +87,8 @@ def category(op_name: str) -> str:
     return "elementwise/copies"
 
 
-FUSED_OPS = ("rms_norm", "add_rms_norm", "silu_mul", "rope_write_kv", "attention")
+FUSED_OPS = ("rms_norm", "add_rms_norm", "silu_mul", "rope_write_kv", "attention", "decoder_layers")
+VARIANTS = ("torch ops", "fused ops", "one-call layers")
 
 
 @contextlib.contextmanager
@@ -129,21 +134,25 @@ def decode_step(model: LlamaForCausalLM, cache: KVCache, slots: list[int], posit
 
 
 @contextlib.contextmanager
-def fused_ops_off(off: bool) -> Iterator[None]:
-    """With off=True the model runs torch's composite layer ops (the code before the fused ops), in this process."""
+def layer_ops(model: LlamaForCausalLM, variant: str) -> Iterator[None]:
+    """The model's decoder layers run `variant` (VARIANTS) in this process: "torch ops" (the code before the fused
+    ops), "fused ops" called one by one, or "one-call layers"; the one-call layers are restored afterwards."""
     original = fused_kernels.for_dtype
-    if off:
+    if variant == "torch ops":
         fused_kernels.for_dtype = lambda dtype: None  # type: ignore[assignment]
+    model.prepare_one_call_layers(variant == "one-call layers")
     try:
         yield
     finally:
         fused_kernels.for_dtype = original  # type: ignore[assignment]
+        model.prepare_one_call_layers()
 
 
-def profile_dtype(dtype_name: str, batch_size: int, context: int, steps: int,
-                  fused_only: bool = False) -> list[list[object]]:
-    """One row per layer-op variant: torch's composite ops, then (bfloat16 modes, when built) the fused ops.
-    The variants' timed steps alternate, so a load change on a shared machine hits both alike."""
+def profile_dtype(dtype_name: str, batch_size: int, context: int, steps: int, fused_only: bool = False,
+                  wanted: tuple[str, ...] = VARIANTS) -> list[list[object]]:
+    """One row per layer-op variant available here (and in `wanted`): torch's composite ops, then (bfloat16 modes,
+    when built) the fused ops one by one and the one-call layers; fused_only: the default path's row alone.
+    The variants' timed steps alternate, so a load change on a shared machine hits all alike."""
     model = load(dtype_name)
     cache = model.make_cache(batch_size, context + 16)
     slots = [cache.allocate() for _ in range(batch_size)]
@@ -153,20 +162,22 @@ def profile_dtype(dtype_name: str, batch_size: int, context: int, steps: int,
         model(ForwardBatch.build([prompt], [slot], [0], [[context - 1]]), cache)
     position = context
     fused = fused_kernels.for_dtype(model.dtype) is not None
-    variants = [True] if not fused else [False] if fused_only else [True, False]  # fused ops off?
-    wall: dict[bool, list[float]] = {off: [] for off in variants}
-    cpu: dict[bool, list[float]] = {off: [] for off in variants}
+    one_call = fused and model.prepare_one_call_layers() > 0
+    available = ["torch ops"] + (["fused ops"] if fused else []) + (["one-call layers"] if one_call else [])
+    variants = available[-1:] if fused_only else [v for v in available if v in wanted]
+    wall: dict[str, list[float]] = {v: [] for v in variants}
+    cpu: dict[str, list[float]] = {v: [] for v in variants}
     for step in range(5 + steps):  # every step rewrites the same position: the context length stays fixed
-        for off in variants:
-            with fused_ops_off(off):
+        for variant in variants:
+            with layer_ops(model, variant):
                 t0, c0 = time.perf_counter(), time.process_time()
                 decode_step(model, cache, slots, position)
                 if step >= 5:  # the first five are warm-up
-                    wall[off].append(time.perf_counter() - t0)
-                    cpu[off].append(time.process_time() - c0)
+                    wall[variant].append(time.perf_counter() - t0)
+                    cpu[variant].append(time.process_time() - c0)
     rows: list[list[object]] = []
-    for off in variants:
-        with fused_ops_off(off), native_calls_labelled(), profile(activities=[ProfilerActivity.CPU]) as prof:
+    for variant in variants:
+        with layer_ops(model, variant), native_calls_labelled(), profile(activities=[ProfilerActivity.CPU]) as prof:
             t0 = time.perf_counter()
             for _ in range(steps):
                 decode_step(model, cache, slots, position)
@@ -180,9 +191,9 @@ def profile_dtype(dtype_name: str, batch_size: int, context: int, steps: int,
         gaps = max(0.0, profiled - sum(per_category.values()))
         gemms = "native" if kernels.native() else "torch"
         label = f"{dtype_name} ({gemms} GEMMs)" if dtype_name == "int4" else dtype_name
-        label += ", torch ops" if off else ", fused ops"
-        row: list[object] = [label, batch_size, statistics.median(wall[off]) * 1e3, statistics.median(cpu[off]) * 1e3,
-                             profiled * 1e3]
+        label += f", {variant}"
+        row: list[object] = [label, batch_size, statistics.median(wall[variant]) * 1e3,
+                             statistics.median(cpu[variant]) * 1e3, profiled * 1e3]
         row += [f"{per_category[c] * 1e3:.2f} ({100 * per_category[c] / profiled:.0f}%)" for c in CATEGORIES]
         row += [f"{gaps * 1e3:.2f} ({100 * gaps / profiled:.0f}%)", top_level // steps]
         rows.append(row)
@@ -195,12 +206,17 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1], help="sequences per step (one table row each)")
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--fused-only", action="store_true", help="only the fused-ops row where the fused ops build")
+    ap.add_argument("--fused-only", action="store_true",
+                    help="only the default path's row (one-call layers where they qualify, else the fused ops)")
+    short_names = dict(zip(("torch", "fused", "one-call"), VARIANTS, strict=True))
+    ap.add_argument("--variants", nargs="+", choices=short_names, default=list(short_names),
+                    help="the layer-op variants to compare, where available (default: all)")
     args = ap.parse_args()
     if any(b < 1 for b in args.batch):
         ap.error("--batch: every size must be >= 1")
+    wanted = tuple(short_names[v] for v in args.variants)
     rows = [row for d in args.dtypes for b in args.batch
-            for row in profile_dtype(d, b, args.context, args.steps, args.fused_only)]
+            for row in profile_dtype(d, b, args.context, args.steps, args.fused_only, wanted)]
     print(markdown_table(
         ["dtype", "batch", "step ms", "CPU ms", "profiled ms", *(f"{c} ms" for c in CATEGORIES), "Python/gaps ms",
          "ops/step"],

@@ -9,6 +9,9 @@ runs torch's composite ops, which compute the same values up to float32 summatio
 
 `for_dtype(dtype)` is what the model asks: the module for bfloat16 activations, None for float32/float64 (the
 exact modes keep torch's ops, whose rounding the transformers parity tests pin down).
+
+For an int4 model with specd's q4 GEMM (`specd.kernels.native()`), `make_layer_stack` / `decoder_layers` run all
+decoder layers in one call (LlamaForCausalLM.prepare_one_call_layers): the same ops and GEMM, the same bits.
 """
 
 from __future__ import annotations

@@ -7,6 +7,10 @@
 //                   token's k and v heads into the KV cache at (slot, position)
 //   attention       each query row over its own sequence's cached keys 0..its position: no padding, no mask,
 //                   scores, softmax and the weighted sum of values in float32, one rounding at the end
+//   decoder_layers  a run of an int4 model's decoder layers in one call: per layer the ops above and specd's
+//                   q4 GEMM (quant_gemm.cpp, called through the address its extension hands out) in the order
+//                   DecoderLayer._forward_fused calls them from Python, so the same bits without ~14 Python
+//                   calls per layer
 //
 // The roundings to bfloat16 are where torch's composite rounds (a residual sum, SiLU's output, each rotary
 // product), so these ops agree with it up to float32 summation order; attention rounds less often than torch's
@@ -19,6 +23,7 @@
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/record_function.h>
 
 #include <algorithm>
 #include <cmath>
@@ -364,6 +369,116 @@ torch::Tensor attention(const torch::Tensor& query, const torch::Tensor& kv, con
   return out;
 }
 
+torch::Tensor residual_add(const torch::Tensor& x, const torch::Tensor& delta) {
+  // x, delta: [rows, d] bfloat16 contiguous -> bf16(x + delta): one rounding of the float32 sum, as torch's
+  // bfloat16 add (serial: a decode step's few rows are less work than waking a thread)
+  auto sum = torch::empty_like(x);
+  const bf16 *xp = x.data_ptr<bf16>(), *dp = delta.data_ptr<bf16>();
+  bf16* sp = sum.data_ptr<bf16>();
+  for (int64_t i = 0, n = x.numel(); i < n; ++i) sp[i] = bf16(to_float(xp[i]) + to_float(dp[i]));
+  return sum;
+}
+
+// quant_gemm.cpp's q4_linear(x, codes, scales, mins, float_out), reached through the capsule its extension makes.
+using Q4Linear = at::Tensor (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, bool);
+constexpr const char* kQ4LinearCapsule = "specd.q4_linear";
+// A layer's weights, in this order: input norm; qkv codes, scales, mins; o ...; post-attention norm; gate_up ...;
+// down ... (each projection a Q4Weight: codes [out, in / 2] uint8, scales and mins [out, in / 32] float16).
+constexpr size_t kLayerWeights = 14;
+
+// The weights of a model's decoder layers and the GEMM they run with, gathered once (LlamaForCausalLM's
+// prepare_one_call_layers) so that a forward passes them as one object instead of 14 tensors per layer.
+struct LayerStack {
+  std::vector<std::vector<torch::Tensor>> weights;  // [num_layers][kLayerWeights]
+  double eps;
+  int64_t num_heads;
+  Q4Linear gemm;
+};
+
+LayerStack make_layer_stack(std::vector<std::vector<torch::Tensor>> weights, double eps, int64_t num_heads,
+                            const py::capsule& q4_linear) {
+  TORCH_CHECK(q4_linear.name() != nullptr && std::strcmp(q4_linear.name(), kQ4LinearCapsule) == 0,
+              "q4_linear: must be the capsule of specd's q4_linear_capsule()");
+  for (const auto& layer : weights) {
+    TORCH_CHECK(layer.size() == kLayerWeights, "weights: each layer must have ", kLayerWeights, " tensors, got ",
+                layer.size());
+  }
+  TORCH_CHECK(num_heads > 0, "num_heads: must be positive, got ", num_heads);
+  return {std::move(weights), eps, num_heads, reinterpret_cast<Q4Linear>(q4_linear.get_pointer())};
+}
+
+// One decoder layer: the steps and roundings of DecoderLayer._forward_fused, one by one. The sub-steps are named
+// for torch's profiler (bench/profile_step.py) as the Python path labels its calls; without a profiler a label
+// costs a check of a flag.
+torch::Tensor run_layer(const LayerStack& stack, const std::vector<torch::Tensor>& w, const torch::Tensor& hidden,
+                        const torch::Tensor& cos, const torch::Tensor& sin_signed, torch::Tensor kv,
+                        const torch::Tensor& write_slots, const torch::Tensor& write_positions,
+                        const torch::Tensor& seq_slots, const torch::Tensor& seq_starts,
+                        const torch::Tensor& cu_num_new) {
+  const auto project = [&](const torch::Tensor& x, size_t first) {
+    RECORD_FUNCTION("specd::q4_linear", std::vector<c10::IValue>());
+    return stack.gemm(x, w[first], w[first + 1], w[first + 2], false);
+  };
+  check_bf16(kv, "kv", 5);
+  const int64_t tokens = hidden.size(0), num_heads = stack.num_heads, num_kv_heads = kv.size(2);
+  const int64_t head_dim = kv.size(4);
+  torch::Tensor normed;  // [tokens, hidden_size]
+  {
+    RECORD_FUNCTION("specd::rms_norm", std::vector<c10::IValue>());
+    normed = rms_norm(hidden, w[0], stack.eps);
+  }
+  const torch::Tensor qkv = project(normed, 1);  // [tokens, (num_heads + 2 * num_kv_heads) * head_dim]
+  TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim, "weights: qkv has ", qkv.size(1),
+              " outputs, not (", num_heads, " + 2 * ", num_kv_heads, ") * ", head_dim);
+  const torch::Tensor heads = qkv.view({tokens, num_heads + 2 * num_kv_heads, head_dim});  // q, k, v heads
+  {
+    RECORD_FUNCTION("specd::rope_write_kv", std::vector<c10::IValue>());
+    rope_write_kv(heads, cos, sin_signed, kv, write_slots, write_positions);
+  }
+  torch::Tensor attn;  // [tokens, num_heads * head_dim]
+  {
+    RECORD_FUNCTION("specd::attention", std::vector<c10::IValue>());
+    attn = attention(heads.narrow(1, 0, num_heads), kv, seq_slots, seq_starts, cu_num_new, 1.0);
+  }
+  const torch::Tensor attn_out = project(attn, 4);  // [tokens, hidden_size]
+  torch::Tensor residual, post_normed;  // [tokens, hidden_size] each
+  {
+    RECORD_FUNCTION("specd::add_rms_norm", std::vector<c10::IValue>());
+    std::tie(residual, post_normed) = add_rms_norm(hidden, attn_out, w[7], stack.eps);
+  }
+  const torch::Tensor gate_up = project(post_normed, 8);  // [tokens, 2 * intermediate_size]
+  torch::Tensor activated;  // [tokens, intermediate_size]
+  {
+    RECORD_FUNCTION("specd::silu_mul", std::vector<c10::IValue>());
+    activated = silu_mul(gate_up);
+  }
+  const torch::Tensor down = project(activated, 11);  // [tokens, hidden_size]
+  RECORD_FUNCTION("specd::residual_add", std::vector<c10::IValue>());
+  return residual_add(residual, down);
+}
+
+torch::Tensor decoder_layers(const LayerStack& stack, int64_t first, int64_t end, const torch::Tensor& hidden_in,
+                             const torch::Tensor& cos, const torch::Tensor& sin_signed,
+                             const std::vector<torch::Tensor>& kv, const torch::Tensor& write_slots,
+                             const torch::Tensor& write_positions, const torch::Tensor& seq_slots,
+                             const torch::Tensor& seq_starts, const torch::Tensor& cu_num_new) {
+  // Layers first .. end - 1 of the stack over hidden [tokens, hidden_size] bfloat16; returns the last one's output
+  // [tokens, hidden_size]. cos, sin_signed: Rotary.tables, [tokens, num_heads + num_kv_heads, head_dim]. kv: the
+  // cache's layers, layer i's [2, slots, num_kv_heads, capacity, head_dim] written at (write_slots[t],
+  // write_positions[t]). seq_slots, seq_starts, cu_num_new: as for attention.
+  check_bf16(hidden_in, "hidden", 2);
+  const int64_t num_layers = static_cast<int64_t>(stack.weights.size());
+  TORCH_CHECK(0 <= first && first <= end && end <= num_layers, "first, end: must satisfy 0 <= first <= end <= ",
+              num_layers, ", got ", first, ", ", end);
+  TORCH_CHECK(end <= static_cast<int64_t>(kv.size()), "kv: the cache has ", kv.size(), " layers, not ", end);
+  torch::Tensor hidden = hidden_in.contiguous();
+  for (int64_t i = first; i < end; ++i) {
+    hidden = run_layer(stack, stack.weights[i], hidden, cos, sin_signed, kv[i], write_slots, write_positions,
+                       seq_slots, seq_starts, cu_num_new);
+  }
+  return hidden;
+}
+
 bool has_avx2() { return SPECD_AVX2 != 0; }
 
 }  // namespace
@@ -379,5 +494,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("attention", &attention, "ragged causal attention of new rows over each sequence's cached keys",
         py::arg("query"), py::arg("kv"), py::arg("seq_slots"), py::arg("seq_starts"), py::arg("cu_num_new"),
         py::arg("scale"));
+  py::class_<LayerStack>(m, "LayerStack", "a model's int4 decoder layers' weights and their GEMM, for decoder_layers");
+  m.def("make_layer_stack", &make_layer_stack, "gather the decoder layers' weights once", py::arg("weights"),
+        py::arg("eps"), py::arg("num_heads"), py::arg("q4_linear"));
+  m.def("decoder_layers", &decoder_layers, "int4 decoder layers first .. end - 1: norms, q4 GEMMs, rotary + KV "
+        "write, attention, each as DecoderLayer._forward_fused", py::arg("stack"), py::arg("first"), py::arg("end"),
+        py::arg("hidden"), py::arg("cos"), py::arg("sin_signed"), py::arg("kv"), py::arg("write_slots"),
+        py::arg("write_positions"), py::arg("seq_slots"), py::arg("seq_starts"), py::arg("cu_num_new"));
   m.def("has_avx2", &has_avx2, "whether this build uses the AVX2 loops");
 }

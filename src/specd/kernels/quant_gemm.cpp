@@ -553,8 +553,18 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 
 bool uses_avx2() { return SPECD_AVX2 != 0; }
 
+// q4_linear's address for specd's fused decoder layer (fused_ops.cpp), which calls it between its own ops: the
+// layer then runs this very code, compiled with this file's flags, so its GEMMs are the same bits as q4_linear's
+// from Python. The capsule's name is what the layer checks before it calls through the pointer.
+py::capsule q4_linear_capsule() {
+  using Q4Linear = at::Tensor (*)(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, bool);
+  const Q4Linear function = &q4_linear;
+  return py::capsule(reinterpret_cast<void*>(function), "specd.q4_linear");
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_linear", &q4_linear, "int4-block weight x int8-quantised activation GEMM");
   m.def("q8_linear", &q8_linear, "int8-block weight x int8-quantised activation GEMM");
   m.def("uses_avx2", &uses_avx2, "whether this build runs the AVX2 kernels");
+  m.def("q4_linear_capsule", &q4_linear_capsule, "q4_linear's address, for the fused decoder layer");
 }

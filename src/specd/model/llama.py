@@ -276,6 +276,20 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
+    def one_call_weights(self) -> list[torch.Tensor] | None:
+        """The tensors fused_ops' `decoder_layers` reads for this layer, when it can run it: all four projections
+        are specd's q4 blocks, no biases, no q/k norms. None: the layer runs op by op."""
+        projections = (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
+        if self.q_norm is not None or any(p.q4 is None or p.bias is not None for p in projections):
+            return None
+        weights = [self.input_layernorm.weight]
+        for i, projection in enumerate(projections):
+            if i == 2:  # the post-attention norm sits between o_proj and gate_up_proj
+                weights.append(self.post_attention_layernorm.weight)
+            assert projection.q4 is not None
+            weights += [projection.q4.codes, projection.q4.scales, projection.q4.mins]
+        return weights
+
     def forward(
         self,
         hidden: torch.Tensor,  # [num_tokens, hidden_size]
@@ -311,7 +325,8 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
         """`forward` in six native calls besides the four GEMMs: norm; rotary + KV write; attention; residual
-        add + norm; SiLU x up; and the last residual add (torch's). Same roundings as the torch path."""
+        add + norm; SiLU x up; and the last residual add (torch's). Same roundings as the torch path.
+        fused_ops' `decoder_layers` runs these same steps in C++ (LlamaForCausalLM.prepare_one_call_layers)."""
         num_tokens, num_qk_heads = hidden.shape[0], self.num_heads + self.num_kv_heads
         eps = self.input_layernorm.eps
         qkv = self.qkv_proj(fused.rms_norm(hidden, self.input_layernorm.weight, eps))
@@ -347,6 +362,8 @@ class LlamaForCausalLM(nn.Module):
         )
         self.rotary = Rotary(config, max_positions or config.max_position_embeddings)
         self.tied_head: Linear | None = None  # the tied LM head over the embedding table, made by pack()
+        # fused_ops' LayerStack of every decoder layer (prepare_one_call_layers); None: the layers run op by op
+        self.one_call_stack: object | None = None
 
     def pack(self) -> None:
         """Lay weights out for fast small-M matmuls on CPU (see Linear.pack). Call after loading and casting.
@@ -359,6 +376,28 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack()
+        self.prepare_one_call_layers()
+
+    def prepare_one_call_layers(self, enabled: bool = True) -> int:
+        """Gather, once, what fused_ops' `decoder_layers` reads, so that a forward runs its decoder layers in one
+        native call (or one per run between captured layers) instead of ~14 Python calls each: the same kernels in
+        the same order as DecoderLayer._forward_fused, so the same bits. Only when every layer qualifies
+        (DecoderLayer.one_call_weights: int4 with specd's native kernels, no biases, no q/k norms) and the fused
+        ops are built. enabled=False: op by op (the A/B switch of the tests and benchmarks). Returns how many
+        layers run in one call (0 or all).
+
+        Assumes the weights stay as they are (pack() calls this last): the stack holds the tensors, not copies.
+        """
+        self.one_call_stack = None
+        native, fused = kernels.native(), fused_kernels.for_dtype(self.dtype)
+        if not enabled or native is None or fused is None or not hasattr(fused, "make_layer_stack"):
+            return 0
+        weights = [layer.one_call_weights() for layer in self.layers]
+        if not weights or any(w is None for w in weights):
+            return 0
+        self.one_call_stack = fused.make_layer_stack(weights, self.config.rms_norm_eps, self.config.num_heads,
+                                                     native.q4_linear_capsule())
+        return len(weights)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -405,7 +444,8 @@ class LlamaForCausalLM(nn.Module):
         default) computes none of them, so callers that don't need features pay nothing.
         """
         # The fused attention needs no padding index or masks: it attends every row over its own keys.
-        meta = AttentionMetadata.build(batch, masks=fused_kernels.for_dtype(self.dtype) is None)
+        fused = fused_kernels.for_dtype(self.dtype)
+        meta = AttentionMetadata.build(batch, masks=fused is None)
         hidden = self.embed_tokens(batch.token_ids)  # [num_tokens, hidden_size]
         rope = self.rotary.tables(batch.positions, hidden.dtype)
         layers = self.layers if num_layers is None else self.layers[:num_layers]
@@ -414,10 +454,19 @@ class LlamaForCausalLM(nn.Module):
             if not -1 <= i < len(layers):
                 raise ValueError(f"hidden_layers: {i} is not -1 or a layer index below {len(layers)}")
         captured: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(layers):
-            hidden = layer(hidden, rope, cache, meta)
-            if i in wanted:
-                captured[i] = hidden
+        if fused is not None and self.one_call_stack is not None:
+            # natively, in runs that end at each captured layer
+            first = 0
+            for end in sorted({i + 1 for i in wanted if i >= 0} | {len(layers)}):
+                hidden = fused.decoder_layers(self.one_call_stack, first, end, hidden, rope[0], rope[1], cache.kv,
+                                              meta.write_slots, meta.write_positions, meta.slot_index,
+                                              meta.seq_starts, meta.cu_num_new)
+                captured[end - 1], first = hidden, end
+        else:
+            for i, layer in enumerate(layers):
+                hidden = layer(hidden, rope, cache, meta)
+                if i in wanted:
+                    captured[i] = hidden
         features: torch.Tensor | None = None
         if wanted:
             if -1 in wanted:
