@@ -390,7 +390,7 @@ class LlamaForCausalLM(nn.Module):
         """
         self.one_call_stack = None
         native, fused = kernels.native(), fused_kernels.for_dtype(self.dtype)
-        if not enabled or native is None or fused is None or not hasattr(fused, "make_layer_stack"):
+        if not enabled or native is None or fused is None:
             return 0
         weights = [layer.one_call_weights() for layer in self.layers]
         if not weights or any(w is None for w in weights):
