@@ -209,12 +209,14 @@ def main() -> None:
     ap.add_argument("--fused-only", action="store_true",
                     help="only the default path's row (one-call layers where they qualify, else the fused ops)")
     short_names = dict(zip(("torch", "fused", "one-call"), VARIANTS, strict=True))
-    ap.add_argument("--variants", nargs="+", choices=short_names, default=list(short_names),
+    ap.add_argument("--variants", nargs="+", choices=short_names,
                     help="the layer-op variants to compare, where available (default: all)")
     args = ap.parse_args()
     if any(b < 1 for b in args.batch):
         ap.error("--batch: every size must be >= 1")
-    wanted = tuple(short_names[v] for v in args.variants)
+    if args.fused_only and args.variants:
+        ap.error("--variants: not with --fused-only, which keeps only the default path's row")
+    wanted = tuple(short_names[v] for v in args.variants or short_names)
     rows = [row for d in args.dtypes for b in args.batch
             for row in profile_dtype(d, b, args.context, args.steps, args.fused_only, wanted)]
     print(markdown_table(
