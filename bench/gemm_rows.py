@@ -1,22 +1,26 @@
-"""specd's q4/q8 kernels per call by row count, against an earlier version of quant_gemm.cpp in the same process.
+"""specd's q4/q8 kernels per call by row count, against an earlier commit's kernels in the same process.
 
-    git show 9244fd1:src/specd/kernels/quant_gemm.cpp > /tmp/quant_gemm_old.cpp
-    OMP_NUM_THREADS=1 .venv/bin/python bench/gemm_rows.py --baseline /tmp/quant_gemm_old.cpp [--rows 1 2 4 8 16]
+    OMP_NUM_THREADS=1 .venv/bin/python bench/gemm_rows.py --baseline 1de80ee [--rows 1 2 4 8 16]
 
-The baseline is built as its own extension (`specd_quant_gemm_baseline`) and must read weights in block order
-(GGUF's, as every version before the group order did): it gets `block_codes()`, the current kernel `codes`.
-CPU time per call (time.process_time), the two kernels alternating, the minimum over --rounds; each cell is
-"baseline / current (current / baseline)", and the row-count columns divide by the one-row time.
+The baseline commit's quant_gemm.cpp is built as its own extension (`specd_quant_gemm_baseline`) and its
+blockquant.py lays out the weights it reads (the weight order has changed between versions); both kernels get the
+same GGUF-style blocks. CPU time per call (time.process_time), the two kernels alternating, the minimum over
+--rounds; each cell is "baseline / current (current / baseline)", and the row-count columns divide by the one-row
+time.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -40,40 +44,57 @@ def cpu_us(call: Callable[[], object], min_seconds: float) -> float:
     return 1e6 * (time.process_time() - start) / reps
 
 
+def baseline_files(revision: str, directory: Path) -> tuple[Path, ModuleType]:
+    """The kernel source and the blockquant module of `revision`, written into `directory`."""
+    sources = {}
+    for name in ("quant_gemm.cpp", "blockquant.py"):
+        shown = subprocess.run(["git", "show", f"{revision}:src/specd/kernels/{name}"], capture_output=True,
+                               text=True, cwd=Path(__file__).resolve().parent)
+        if shown.returncode != 0:
+            raise SystemExit(f"--baseline: {revision!r} has no src/specd/kernels/{name} ({shown.stderr.strip()})")
+        sources[name] = directory / name
+        sources[name].write_text(shown.stdout)
+    spec = importlib.util.spec_from_file_location("baseline_blockquant", sources["blockquant.py"])
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return sources["quant_gemm.cpp"], module
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--baseline", type=Path, required=True, help="an earlier quant_gemm.cpp (block-order weights)")
+    ap.add_argument("--baseline", required=True, help="the git revision whose kernels to compare with")
     ap.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 8, 16])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=0.15, help="CPU seconds per measurement")
     args = ap.parse_args()
-    if not args.baseline.is_file():
-        ap.error(f"--baseline: {args.baseline} is not a file")
     if any(r < 1 for r in args.rows):
         ap.error("--rows: every count must be >= 1")
     current = kernels.build("avx2" if kernels.cpu_has_avx2() else "scalar")
     flags = ["-O3", "-mavx2", "-mfma", "-mf16c"] if kernels.cpu_has_avx2() else ["-O3", "-DSPECD_SCALAR"]
-    baseline = kernels.load_extension("specd_quant_gemm_baseline", args.baseline, flags)
+    with tempfile.TemporaryDirectory() as directory:
+        source, old_layout = baseline_files(args.baseline, Path(directory))
+        baseline = kernels.load_extension("specd_quant_gemm_baseline", source, flags)
     torch.manual_seed(0)
     table: list[list[Any]] = []
     for name, (out_features, in_features) in SHAPES.items():
         weight = torch.randn(out_features, in_features)
         q = quantize_q8(weight) if "q8" in name else quantize_q4(weight)
-        block_order = q.block_codes()
+        old = old_layout.quantize_q8(weight) if "q8" in name else old_layout.quantize_q4(weight)
         row: list[Any] = [name]
         one_row: dict[str, float] = {}
         for num_rows in args.rows:
             x = torch.randn(num_rows, in_features).bfloat16()
             calls: dict[str, Callable[[], torch.Tensor]]
             if isinstance(q, Q8Weight):
-                calls = {"baseline": partial(baseline.q8_linear, x, block_order, q.scales, True),
+                calls = {"baseline": partial(baseline.q8_linear, x, old.codes, old.scales, True),
                          "current": partial(current.q8_linear, x, q.codes, q.scales, True)}
             else:
-                calls = {"baseline": partial(baseline.q4_linear, x, block_order, q.scales, q.mins, True),
+                calls = {"baseline": partial(baseline.q4_linear, x, old.codes, old.scales, old.mins, True),
                          "current": partial(current.q4_linear, x, q.codes, q.scales, q.mins, True)}
             got, expected = calls["current"](), calls["baseline"]()
             if not torch.allclose(got, expected, rtol=1e-4, atol=1e-3 * expected.abs().max().item()):
-                raise SystemExit(f"{name}, {num_rows} rows: the two kernels disagree (is --baseline block order?)")
+                raise SystemExit(f"{name}, {num_rows} rows: the two kernels disagree")
             best = {label: min(cpu_us(call, args.seconds) for _ in range(args.rounds)) for label, call in calls.items()}
             for label in best:
                 one_row.setdefault(label, best[label])

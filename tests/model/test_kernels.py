@@ -1,6 +1,7 @@
 """specd's native block-quantised GEMM kernels: against a float64 model of their maths, row independence, the
 scalar build, and the fallback to torch's kernels when the extension cannot be built."""
 
+import itertools
 import warnings
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 import specd.kernels
 from specd.kernels.blockquant import (
     Q4Weight,
+    Q8Weight,
     quantize_activations,
     quantize_q4,
     quantize_q8,
@@ -69,9 +71,11 @@ def test_a_row_gives_the_same_bits_alone_and_among_others(native, quantize):
 
 @pytest.mark.parametrize("quantize", [quantize_q4, quantize_q8], ids=["q4", "q8"])
 @pytest.mark.parametrize("out_features", [8, 10])  # whole 4-column tiles, and two columns left over
-@pytest.mark.parametrize("in_features", [96, 256, 288])  # a last group only, whole groups, both
+# 1, 2 and 3 blocks alone (a group of one, of two, of two and one), whole groups of four, and whole groups followed
+# by each of those; 256 and 352 rows have 8 and 11 blocks (the min term's 8-block loads, whole and with a rest)
+@pytest.mark.parametrize("in_features", [32, 64, 96, 256, 288, 320, 352])
 def test_every_tile_shape_gives_a_row_the_bits_it_gets_alone(native, quantize, out_features, in_features):
-    """Tiles of 1-4 rows x 1, 2 or 4 columns, full groups and a partial last group: each row of a 1..9-row call
+    """Tiles of 1-4 rows x 1, 2 or 4 columns, groups of four, two and one blocks: each row of a 1..9-row call
     equals the row computed alone, and the call is close to the float64 model of the kernel."""
     weight = quantize(_weights(out_features=out_features, in_features=in_features, seed=in_features))
     x = torch.randn(9, in_features).to(torch.bfloat16)
@@ -84,11 +88,24 @@ def test_every_tile_shape_gives_a_row_the_bits_it_gets_alone(native, quantize, o
 
 @pytest.mark.parametrize("quantize", [quantize_q4, quantize_q8], ids=["q4", "q8"])
 def test_the_group_order_is_a_permutation_of_the_block_order(quantize):
-    weight = quantize(_weights(out_features=3, in_features=288))  # two whole groups and one block past them
+    weight = quantize(_weights(out_features=3, in_features=352))  # two groups of four, one of two, one of one
     block_order = weight.block_codes()
-    assert not torch.equal(weight.codes, block_order)  # whole groups are interleaved
-    assert torch.equal(weight.codes[:, -block_order.shape[1] // 9 :], block_order[:, -block_order.shape[1] // 9 :])
+    per_block = block_order.shape[1] // 11
+    fours, two = slice(0, 8 * per_block), slice(8 * per_block, 10 * per_block)
+    assert not torch.equal(weight.codes[:, fours], block_order[:, fours])  # interleaved
+    assert not torch.equal(weight.codes[:, two], block_order[:, two])
+    assert torch.equal(weight.codes[:, -per_block:], block_order[:, -per_block:])  # a group of one is block order
     assert torch.equal(weight.codes.sort(dim=1).values, block_order.sort(dim=1).values)
+
+
+def test_a_group_of_two_lays_out_its_inputs_as_documented():
+    # int8 codes of a 64-input row (one group of two blocks) labelled by their group-order position: input
+    # h*16 + 4u + e of block b sits in vector t = u // 2, lane i = (u % 2) * 2 + b, byte e, at t*32 + h*16 + i*4 + e
+    labels = (torch.arange(64) - 32).to(torch.int8).view(1, 64)
+    block_order = Q8Weight(labels, torch.ones(1, 2, dtype=torch.float16)).block_codes()[0] + 32
+    for block, h, u, e in [(0, 0, 0, 0), (1, 1, 1, 0), (1, 0, 3, 2), (0, 1, 2, 3)]:
+        t, lane = u // 2, (u % 2) * 2 + block
+        assert block_order[block * 32 + h * 16 + 4 * u + e] == t * 32 + h * 16 + lane * 4 + e
 
 
 def test_quantisation_recovers_gguf_blocks_exactly():
@@ -112,7 +129,7 @@ def test_activation_model_rounds_like_the_kernel():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("in_features", [160, 192, 256], ids=["group+1", "group+2", "2 groups"])
+@pytest.mark.parametrize("in_features", [160, 192, 224, 256], ids=["group+1", "group+2", "group+3", "2 groups"])
 def test_every_activation_code_is_the_models(native, dtype, in_features):
     # An identity weight reads each quantised activation back through one product: a code one step off (1/127 of
     # its block's max) is far outside the float32 rounding allowed here. Rows hold ties (x * 127 / max|x| = n + 0.5,
@@ -146,9 +163,9 @@ def test_the_scalar_build_agrees_with_the_reference():
     except Exception as exc:  # no compiler: the native fixture's tests skip for the same reason
         pytest.skip(f"the scalar build failed: {exc}")
     assert not scalar.uses_avx2()
-    for quantize in (quantize_q4, quantize_q8):
-        weight = quantize(_weights())
-        x = torch.randn(3, 192)
+    for quantize, in_features in itertools.product((quantize_q4, quantize_q8), (192, 224)):  # 4+2 and 4+2+1 blocks
+        weight = quantize(_weights(in_features=in_features))
+        x = torch.randn(3, in_features)
         expected = reference_linear(weight, x)
         torch.testing.assert_close(weight.linear(scalar, x, float_out=True).double(), expected, rtol=0,
                                    atol=1e-4 * expected.abs().max().item())

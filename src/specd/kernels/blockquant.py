@@ -5,13 +5,14 @@ exactly from the dequantized weights). q8: w = scale * q with q in -127..127 (a 
 exactly likewise). `Q4Weight.linear` / `Q8Weight.linear` run the native kernel, which also quantises each
 activation row per block of 32 to int8; `reference_linear` is the same arithmetic in float64 for tests.
 
-The codes are stored in the kernel's group order (quant_gemm.cpp): within each run of four blocks (128 inputs)
-the inputs are interleaved so that one 32-byte vector holds a few inputs of each of the four blocks, which lets
-the kernel reduce four blocks with vertical adds. `block_codes()` gives the codes back in block order.
+The codes are stored in the kernel's group order (quant_gemm.cpp): blocks are grouped by four (then a two, then a
+one), and within a group the inputs are interleaved so that one 32-byte vector holds a few inputs of each of its
+blocks, which lets the kernel reduce a group with vertical adds. `block_codes()` gives the codes back in block order.
 """
 
 from __future__ import annotations
 
+import functools
 from types import ModuleType
 from typing import NamedTuple
 
@@ -21,27 +22,46 @@ BLOCK = 32
 GROUP_BLOCKS = 4  # blocks per group of the kernel's input order
 
 
-def _full_groups(in_features: int) -> int:
-    """Inputs covered by whole groups of four blocks (the rest stays in block order)."""
-    return in_features // (BLOCK * GROUP_BLOCKS) * BLOCK * GROUP_BLOCKS
+def _group_of(block: int, blocks: int) -> tuple[int, int]:
+    """The first block and the size (4, 2 or 1) of the group `block` falls in: fours, then a two, then a one."""
+    full = blocks // GROUP_BLOCKS * GROUP_BLOCKS
+    if block < full:
+        return block // GROUP_BLOCKS * GROUP_BLOCKS, GROUP_BLOCKS
+    if blocks - full >= 2 and block < full + 2:
+        return full, 2
+    return block, 1
 
 
-def _swap_q8_order(codes: torch.Tensor) -> torch.Tensor:  # [out, in] int8 -> [out, in], block <-> group order
-    """Block order has input h*16 + 4t + e of block i at i*32 + h*16 + 4t + e within a group, group order at
-    t*32 + h*16 + i*4 + e: swapping the block and chunk axes maps either order to the other."""
-    out_features, in_features = codes.shape
-    full = _full_groups(in_features)
-    grouped = codes[:, :full].reshape(out_features, full // 128, 4, 2, 4, 4).transpose(2, 4)
-    return torch.cat([grouped.reshape(out_features, full), codes[:, full:]], dim=1).contiguous()
+@functools.cache
+def _group_positions(in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q8, q4) maps from block order to group order: position p in block order moves to position map[p].
+
+    In a group of S blocks, input h*16 + 4u + e of block b is in vector t = u // (4 / S), lane
+    i = (u % (4 / S)) * S + b, byte e: int8 codes at t*32 + h*16 + i*4 + e, q4 bytes (inputs p and p + 16 share one)
+    at t*16 + i*4 + e, both from the group's start (quant_gemm.cpp's input_position and q4_byte_position)."""
+    blocks = in_features // BLOCK
+    q8 = torch.empty(in_features, dtype=torch.long)
+    q4 = torch.empty(in_features // 2, dtype=torch.long)
+    for block in range(blocks):
+        first, size = _group_of(block, blocks)
+        per_lane = GROUP_BLOCKS // size
+        for p in range(16):
+            u, e = p // 4, p % 4
+            t, i = u // per_lane, (u % per_lane) * size + (block - first)
+            for h in range(2):
+                q8[block * BLOCK + h * 16 + p] = first * BLOCK + t * 32 + h * 16 + i * 4 + e
+            q4[block * 16 + p] = first * 16 + t * 16 + i * 4 + e
+    return q8, q4
 
 
-def _swap_q4_order(codes: torch.Tensor) -> torch.Tensor:  # [out, in // 2] uint8, block <-> group order
-    """Packed bytes: block order has byte 4t + e of block i at i*16 + 4t + e within a group (inputs 4t + e and
-    16 + 4t + e), group order at t*16 + i*4 + e."""
-    out_features, half = codes.shape
-    full = _full_groups(half * 2) // 2
-    grouped = codes[:, :full].reshape(out_features, full // 64, 4, 4, 4).transpose(2, 3)
-    return torch.cat([grouped.reshape(out_features, full), codes[:, full:]], dim=1).contiguous()
+def _to_group_order(codes: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # [out, n] -> [out, n]
+    grouped = torch.empty_like(codes)
+    grouped[:, positions] = codes
+    return grouped
+
+
+def _to_block_order(codes: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # [out, n] -> [out, n]
+    return codes[:, positions].contiguous()
 
 
 class Q4Weight(NamedTuple):
@@ -51,7 +71,7 @@ class Q4Weight(NamedTuple):
     mins: torch.Tensor  # [out, in // 32] float16
 
     def block_codes(self) -> torch.Tensor:  # [out, in // 2] uint8 in block order (GGUF Q4_1's)
-        return _swap_q4_order(self.codes)
+        return _to_block_order(self.codes, _group_positions(self.codes.shape[1] * 2)[1])
 
     def dequantize(self) -> torch.Tensor:  # [out, in] float32
         out_features, half = self.codes.shape
@@ -70,7 +90,7 @@ class Q8Weight(NamedTuple):
     scales: torch.Tensor  # [out, in // 32] float16
 
     def block_codes(self) -> torch.Tensor:  # [out, in] int8 in block order (GGUF Q8_0's)
-        return _swap_q8_order(self.codes)
+        return _to_block_order(self.codes, _group_positions(self.codes.shape[1])[0])
 
     def dequantize(self) -> torch.Tensor:  # [out, in] float32
         out_features, in_features = self.codes.shape
@@ -96,8 +116,8 @@ def quantize_q4(weight: torch.Tensor) -> Q4Weight:  # [out, in] float, in % 32 =
     safe = scale.float().clamp_min(1e-30).unsqueeze(-1)
     q = ((groups - low.float().unsqueeze(-1)) / safe).round_().clamp_(0, 15).to(torch.uint8)  # [out, blocks, 32]
     codes = q[..., : BLOCK // 2] | (q[..., BLOCK // 2 :] << 4)
-    return Q4Weight(_swap_q4_order(codes.reshape(out_features, in_features // 2)), scale.contiguous(),
-                    low.contiguous())
+    grouped = _to_group_order(codes.reshape(out_features, in_features // 2), _group_positions(in_features)[1])
+    return Q4Weight(grouped, scale.contiguous(), low.contiguous())
 
 
 def quantize_q8(weight: torch.Tensor) -> Q8Weight:  # [out, in] float, in % 32 == 0
@@ -107,7 +127,8 @@ def quantize_q8(weight: torch.Tensor) -> Q8Weight:  # [out, in] float, in % 32 =
     scale = (groups.abs().amax(-1) / 127).half()  # [out, blocks]
     safe = scale.float().clamp_min(1e-30).unsqueeze(-1)
     q = (groups / safe).round_().clamp_(-127, 127).to(torch.int8)
-    return Q8Weight(_swap_q8_order(q.view(out_features, in_features)), scale.contiguous())
+    return Q8Weight(_to_group_order(q.view(out_features, in_features), _group_positions(in_features)[0]),
+                    scale.contiguous())
 
 
 def quantize_activations(x: torch.Tensor) -> torch.Tensor:  # [rows, in] -> [rows, in] float64, as the kernel sees x
