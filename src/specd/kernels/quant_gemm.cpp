@@ -232,8 +232,8 @@ inline __m256 group_lanes(const at::Half* p) {
 }
 
 // Up to 8 float16 values as floats, 0 past `count`, without reading past p[count - 1] (the last column's row ends
-// the tensor). A short read takes the 8 values ending there, when they lie in the same row (`available` values
-// from p - (row position) on), and moves them down with a byte shuffle: no store-to-load round trip.
+// the tensor). A short read takes the 8 values ending there when the row has them (`available_before` values
+// precede p in its row), and moves them down with a byte shuffle: no store-to-load round trip.
 inline __m256 load_halves8(const at::Half* p, int64_t count, int64_t available_before) {
   if (count >= 8) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   if (available_before >= 8 - count) {
@@ -282,10 +282,8 @@ struct Q4Tile {
     const Q4Tile& tile;
     const uint8_t* w[C];
     const at::Half* w_scales[C];
-    const at::Half* w_mins[C];
     const int8_t* xq[R];
     const float* x_scales[R];
-    const float* x_sums[R];
     __m256* acc;  // [R][C]
 
     template <int S>
@@ -312,16 +310,14 @@ struct Q4Tile {
   template <int R, int C>
   void run(int64_t row0, int64_t col0, float* out, int64_t stride) const {  // out: [R, stride], C columns written
     __m256 acc[R * C];
-    Step<R, C> step{*this, {}, {}, {}, {}, {}, {}, acc};
+    Step<R, C> step{*this, {}, {}, {}, {}, acc};
     for (int c = 0; c < C; ++c) {
       step.w[c] = codes + (col0 + c) * (x.k / 2);
       step.w_scales[c] = scales + (col0 + c) * blocks;
-      step.w_mins[c] = mins + (col0 + c) * blocks;
     }
     for (int r = 0; r < R; ++r) {
       step.xq[r] = x.row_codes(row0 + r);
       step.x_scales[r] = x.row_scales(row0 + r);
-      step.x_sums[r] = x.row_sums(row0 + r);
     }
     for (int i = 0; i < R * C; ++i) acc[i] = _mm256_setzero_ps();
     for_each_group(blocks, step);
@@ -329,8 +325,10 @@ struct Q4Tile {
     // summed); the x sums past the last block are 0
     for (int64_t b = 0; b < blocks; b += 8) {
       for (int c = 0; c < C; ++c) {
-        const __m256 wm = load_halves8(step.w_mins[c] + b, blocks - b, b);
-        for (int r = 0; r < R; ++r) acc[r * C + c] = _mm256_fmadd_ps(wm, _mm256_loadu_ps(step.x_sums[r] + b), acc[r * C + c]);
+        const __m256 wm = load_halves8(mins + (col0 + c) * blocks + b, blocks - b, b);
+        for (int r = 0; r < R; ++r) {
+          acc[r * C + c] = _mm256_fmadd_ps(wm, _mm256_loadu_ps(x.row_sums(row0 + r) + b), acc[r * C + c]);
+        }
       }
     }
     for (int r = 0; r < R; ++r) reduce_store<C>(acc + r * C, out + r * stride);
