@@ -128,6 +128,37 @@ def test_attention_equals_the_float64_reference_and_torchs_grouped_path(fused, n
     assert (torch_path.double() - want).abs().max() >= (got.double() - want).abs().max()
 
 
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"),
+                         [(3, 3, 64), (4, 2, 32), (9, 3, 64), (8, 2, 16), (5, 1, 48), (6, 2, 24), (2, 1, 8)])
+def test_attention_for_every_head_grouping_and_head_size(fused, num_heads, num_kv_heads, head_dim):
+    # head_dim % 16 == 0 runs a kv head's query heads together in blocks of 1-4 (SmolLM2: 3 per kv head, 5 here is
+    # a block of 4 and one of 1); other sizes run the one-head loop. Both against float64, positions 0..33.
+    cache = _cache_with_history(num_kv_heads=num_kv_heads, head_dim=head_dim)
+    slots, starts, num_new = [2, 0, 1], [0, 13, 33], [1, 4, 1]
+    batch = ForwardBatch.build([[7] * n for n in num_new], slots, starts, [[0]] * 3)
+    query = _bf16(sum(num_new), num_heads, head_dim)
+    got = attend(query, cache, 0, AttentionMetadata.build(batch, masks=False), fused=fused)
+    want = _reference_attention(query, cache, slots, starts, num_new)
+    torch.testing.assert_close(got.double(), want, rtol=2**-7, atol=1e-3)
+
+
+def test_attention_over_one_key_returns_its_value_in_place_and_keeps_a_nan_its_own(fused):
+    # One key: the softmax is 1, so each head's output is its kv head's value row, bit for bit -- which checks that
+    # the grouped loop puts every element back where it came from (it splits rows by parity).
+    cache = _cache_with_history(num_kv_heads=2, head_dim=32)
+    query = _bf16(2, 6, 32)
+    query[1, 4] = float("nan")  # head 4 of the second row (kv head 1)
+    meta = AttentionMetadata.build(ForwardBatch.build([[1], [2]], [0, 2], [0, 0], [[0], [0]]), masks=False)
+    got = attend(query, cache, 0, meta, fused=fused).view(2, 6, 32)
+    for row, slot in enumerate((0, 2)):
+        for head in range(6):
+            value = cache.values[0][slot, head // 3, 0]
+            if (row, head) == (1, 4):
+                assert torch.isnan(got[row, head]).all()
+            else:
+                assert torch.equal(got[row, head], value), (row, head)
+
+
 def test_a_query_row_gives_the_same_bits_alone_in_decode_and_inside_a_verification_batch(fused):
     # A verification row at position p must equal the plain decode row at p, whatever else shares the forward.
     cache = _cache_with_history()

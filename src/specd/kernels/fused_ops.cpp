@@ -302,6 +302,133 @@ void rope_write_kv(torch::Tensor heads, const torch::Tensor& cos_in, const torch
   });
 }
 
+#if SPECD_AVX2
+constexpr int64_t kMaxHeads = 4;  // query heads of one kv head attended together (their sums fill 8-12 registers)
+
+// float32 -> bfloat16 bits in the upper half of each lane, rounded as at::BFloat16(float) rounds: to nearest,
+// ties to even, any NaN to 0x7FC0.
+inline __m256i round_bf16(__m256 x) {
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i rounded = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  return _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0x7FC00000), nan);
+}
+
+// The inverse of load16_split: elements 0, 2, .., 14 from `even`, 1, 3, .., 15 from `odd`, each rounded to bfloat16.
+inline void store16_merged(bf16* p, __m256 even, __m256 odd) {
+  const __m256i merged = _mm256_or_si256(_mm256_srli_epi32(round_bf16(even), 16),
+                                         _mm256_and_si256(round_bf16(odd), _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), merged);
+}
+
+inline float max_of(const float* x, int64_t n) {  // n >= 1
+  int64_t i = 0;
+  __m256 m = _mm256_set1_ps(-INFINITY);
+  for (; i + 8 <= n; i += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(x + i));
+  float out = hmax(m);
+  for (; i < n; ++i) out = std::max(out, x[i]);
+  return out;
+}
+
+// 16 bfloat16 -> float32, split by parity: (even) elements 0, 2, .., 14 and (odd) 1, 3, .., 15. Two bit operations
+// and no shuffle (load8's widening is a lane-crossing shuffle: the attention loops were bound by it).
+inline void load16_split(const bf16* p, __m256& even, __m256& odd) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  even = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+  odd = _mm256_castsi256_ps(_mm256_and_si256(raw, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// NH query heads over the same len keys and values: q [NH, d] float32 (scaled, each 16-element chunk split by
+// parity as load16_split splits a key), keys/values [len, d] bfloat16, scores [NH, len] scratch, out [NH, d]
+// bfloat16; d % 16 == 0. A score sums each parity's products per lane over the chunks in order, then
+// hsum(even + odd); each output element sums weight x value over the keys in order (as axpy does), then one
+// rounding. A head's arithmetic does not depend on the heads beside it, the keys' count or the batch.
+template <int NH>
+void attend_heads(const float* q, const bf16* keys, const bf16* values, int64_t len, int64_t d, float* scores,
+                  bf16* out) {
+  // The running sums are named variables, not arrays: GCC kept array elements in registers but also stored them
+  // to the stack on every key, which made the value loop store-bound.
+  static_assert(NH >= 1 && NH <= kMaxHeads, "NH: 1..kMaxHeads heads");
+  const __m256 zero = _mm256_setzero_ps();
+  const auto record = [&](int h, int64_t p, __m256 even, __m256 odd) {
+    scores[h * len + p] = hsum(_mm256_add_ps(even, odd));
+  };
+  for (int64_t p = 0; p < len; ++p) {
+    const bf16* key = keys + p * d;
+    // This key's value row, read after the softmax 16 elements at a time (a strided walk the hardware prefetcher
+    // does not follow; the cache comes from memory, each step reads it once): in cache by then. Prefetching the
+    // keys ahead measured no faster, they are read in order.
+    const char* value_row = reinterpret_cast<const char*>(values + p * d);
+    for (int64_t b = 0; b < d * static_cast<int64_t>(sizeof(bf16)); b += 64) _mm_prefetch(value_row + b, _MM_HINT_T1);
+    __m256 e0 = zero, o0 = zero, e1 = zero, o1 = zero, e2 = zero, o2 = zero, e3 = zero, o3 = zero;
+    for (int64_t i = 0; i < d; i += 16) {
+      __m256 ke, ko;
+      load16_split(key + i, ke, ko);
+      e0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), ke, e0);
+      o0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + i + 8), ko, o0);
+      if constexpr (NH > 1) {
+        e1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + i), ke, e1);
+        o1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + i + 8), ko, o1);
+      }
+      if constexpr (NH > 2) {
+        e2 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 2 * d + i), ke, e2);
+        o2 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 2 * d + i + 8), ko, o2);
+      }
+      if constexpr (NH > 3) {
+        e3 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 3 * d + i), ke, e3);
+        o3 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 3 * d + i + 8), ko, o3);
+      }
+    }
+    record(0, p, e0, o0);
+    if constexpr (NH > 1) record(1, p, e1, o1);
+    if constexpr (NH > 2) record(2, p, e2, o2);
+    if constexpr (NH > 3) record(3, p, e3, o3);
+  }
+  float inv_total[NH];
+  for (int h = 0; h < NH; ++h) {  // the maximum after the loop: kept in it, it was a store-load chain per key
+    inv_total[h] = 1.f / exp_shifted(scores + h * len, len, max_of(scores + h * len, len));
+  }
+  const auto emit = [&](int h, int64_t i, __m256 even, __m256 odd) {
+    const __m256 scale = _mm256_set1_ps(inv_total[h]);
+    store16_merged(out + h * d + i, _mm256_mul_ps(even, scale), _mm256_mul_ps(odd, scale));
+  };
+  const float* w0 = scores;
+  const float* w1 = scores + len;
+  const float* w2 = scores + 2 * len;
+  const float* w3 = scores + 3 * len;
+  for (int64_t i = 0; i < d; i += 16) {
+    __m256 e0 = zero, o0 = zero, e1 = zero, o1 = zero, e2 = zero, o2 = zero, e3 = zero, o3 = zero;
+    for (int64_t p = 0; p < len; ++p) {
+      __m256 ve, vo;
+      load16_split(values + p * d + i, ve, vo);
+      __m256 w = _mm256_broadcast_ss(w0 + p);
+      e0 = _mm256_fmadd_ps(w, ve, e0);
+      o0 = _mm256_fmadd_ps(w, vo, o0);
+      if constexpr (NH > 1) {
+        w = _mm256_broadcast_ss(w1 + p);
+        e1 = _mm256_fmadd_ps(w, ve, e1);
+        o1 = _mm256_fmadd_ps(w, vo, o1);
+      }
+      if constexpr (NH > 2) {
+        w = _mm256_broadcast_ss(w2 + p);
+        e2 = _mm256_fmadd_ps(w, ve, e2);
+        o2 = _mm256_fmadd_ps(w, vo, o2);
+      }
+      if constexpr (NH > 3) {
+        w = _mm256_broadcast_ss(w3 + p);
+        e3 = _mm256_fmadd_ps(w, ve, e3);
+        o3 = _mm256_fmadd_ps(w, vo, o3);
+      }
+    }
+    emit(0, i, e0, o0);
+    if constexpr (NH > 1) emit(1, i, e1, o1);
+    if constexpr (NH > 2) emit(2, i, e2, o2);
+    if constexpr (NH > 3) emit(3, i, e3, o3);
+  }
+}
+#endif
+
 torch::Tensor attention(const torch::Tensor& query, const torch::Tensor& kv, const torch::Tensor& seq_slots,
                         const torch::Tensor& seq_starts, const torch::Tensor& cu_num_new, double scale) {
   // query: [tokens, num_heads, head_dim] bfloat16, rows may be strided (a view of the projection), last dim
@@ -344,6 +471,42 @@ torch::Tensor attention(const torch::Tensor& query, const torch::Tensor& kv, con
   const int64_t q_row = query.stride(0), q_head = query.stride(1), group = num_heads / num_kv_heads;
   const int64_t plane = num_slots * num_kv_heads * capacity * head_dim;  // keys -> values
   const float qscale = static_cast<float>(scale);
+#if SPECD_AVX2
+  if (head_dim % 16 == 0) {
+    // One item per (token, kv head): the group's query heads read each key and value once (a bfloat16 -> float32
+    // conversion and a load shared by up to kMaxHeads heads), with the running sums in registers.
+    at::parallel_for(0, tokens * num_kv_heads, grain_rows(2 * max_len * head_dim * group),
+                     [&](int64_t begin, int64_t end) {
+      std::vector<float> scores(kMaxHeads * std::max<int64_t>(max_len, 1));
+      float q[kMaxHeads * kMaxHeadDim];
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t t = item / num_kv_heads, g = item % num_kv_heads, s = token_seq[t];
+        const int64_t len = starts[s] + (t - cu[s]) + 1;  // keys 0 .. this token's position
+        const bf16* keys = kvp + (slots[s] * num_kv_heads + g) * capacity * head_dim;
+        for (int64_t h0 = g * group; h0 < (g + 1) * group; h0 += kMaxHeads) {
+          const int64_t nh = std::min<int64_t>(kMaxHeads, (g + 1) * group - h0);
+          for (int64_t h = 0; h < nh; ++h) {
+            const bf16* qrow = qp + t * q_row + (h0 + h) * q_head;
+            for (int64_t i = 0; i < head_dim; i += 16) {  // split by parity, as the keys will be
+              __m256 even, odd;
+              load16_split(qrow + i, even, odd);
+              _mm256_storeu_ps(q + h * head_dim + i, _mm256_mul_ps(even, _mm256_set1_ps(qscale)));
+              _mm256_storeu_ps(q + h * head_dim + i + 8, _mm256_mul_ps(odd, _mm256_set1_ps(qscale)));
+            }
+          }
+          bf16* dst = op + t * num_heads * head_dim + h0 * head_dim;
+          switch (nh) {
+            case 1: attend_heads<1>(q, keys, keys + plane, len, head_dim, scores.data(), dst); break;
+            case 2: attend_heads<2>(q, keys, keys + plane, len, head_dim, scores.data(), dst); break;
+            case 3: attend_heads<3>(q, keys, keys + plane, len, head_dim, scores.data(), dst); break;
+            default: attend_heads<4>(q, keys, keys + plane, len, head_dim, scores.data(), dst); break;
+          }
+        }
+      }
+    });
+    return out;
+  }
+#endif
   at::parallel_for(0, tokens * num_heads, grain_rows(2 * max_len * head_dim), [&](int64_t begin, int64_t end) {
     std::vector<float> scores(std::max<int64_t>(max_len, 1));
     float q[kMaxHeadDim], acc[kMaxHeadDim];
