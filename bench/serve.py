@@ -15,7 +15,9 @@ Smoke: .venv/bin/python bench/serve.py --num-requests 4 --warmup 1 --rates inf -
 Per point: completed requests, request and output-token throughput over the point's duration (first send to last
 byte), TTFT / TPOT / ITL / E2E at p50, p90, p99 in ms, and acceptance and tau pooled over the point's requests.
 When `off` is among the settings, a second table gives each setting's output throughput and TPOT p50 relative to
-`off` at the same point. --plot draws throughput and TPOT against load, one line per setting (needs matplotlib).
+`off` at the same point; add `off-again` (a second server with speculation off) to see how far two identical
+settings drift apart in the same run, the noise every other ratio carries. --plot draws throughput and TPOT
+against load, one line per setting (needs matplotlib).
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ from prompts import KINDS
 
 SPEC_ARGS = {
     "off": ["--spec", "off"],
+    # A second server with speculation off: its ratio to `off` in the same run is the run's noise (an A/A control).
+    "off-again": ["--spec", "off"],
     "ngram": ["--spec", "ngram", "--k-policy", "heuristic"],
     "goodput": ["--spec", "ngram", "--num-spec-tokens", "8", "--k-policy", "goodput"],
     "adaptive": ["--spec", "ngram", "--num-spec-tokens", "8", "--k-policy", "adaptive"],
@@ -287,6 +291,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error("--rates and --concurrency are both empty: nothing to measure")
     if args.num_requests < 1 or args.warmup < 0:
         parser.error("--num-requests must be >= 1 and --warmup >= 0")
+    if len(set(args.settings)) != len(args.settings):
+        parser.error("--settings: a setting is named twice (off-again is a second server with speculation off)")
     if unknown := [s for s in args.settings if s not in SPEC_ARGS]:
         parser.error(f"--settings: unknown {unknown}; choose from {', '.join(SPEC_ARGS)}")
     if args.url is not None and urlparse(args.url).hostname not in LOOPBACK_HOSTS:

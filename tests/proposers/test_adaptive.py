@@ -9,7 +9,7 @@ import pytest
 
 from specd.speculation.k_policy import DraftOutcome, DraftSpan, EngineLoad, StepReport, StepView
 from specd.speculation.policies.adaptive import EXPLORE_K, PROBE_INTERVAL, PROBE_SHARE, AdaptiveK, choose
-from specd.speculation.policies.step_cost import DraftCost, ForwardCost
+from specd.speculation.policies.step_cost import _REFIT_AFTER, DraftCost, ForwardCost
 
 BUDGET = 512
 
@@ -209,3 +209,48 @@ def test_choose_prefers_plain_decoding_unless_drafting_wins_by_the_margin() -> N
             cost.observe(num_seqs, rows, 0.010 * rows)  # strictly per row: a draft token never pays
     decision = choose([[0.99, 0.98]], 1, 1, BUDGET, cost, 0.0)
     assert decision.k == [0] and decision.cause == "cost"
+
+
+def test_drafts_take_only_the_rows_the_step_s_prompt_chunks_leave_free() -> None:
+    """Drafts that pay get the budget's rows the prompts being prefilled do not need, and never displace a prompt
+    token: that would keep the prompt's sequence out of the decoding batch a step longer."""
+    budget = 64
+    policy = _policy(range(8))
+    for seq_id in range(8):
+        _teach_acceptance(policy, seq_id, 1.0)
+    _teach_cost(policy, weight_bound, [8, 9, 10])
+    assert sum(policy.plan(list(range(8)), EngineLoad(8, 0, budget))) == budget - 8  # decode only: all 56 free
+    # Two sequences prefilling 40 tokens between them: 16 rows are left, and the scheduler gives drafts at most half
+    # of the room while prompts are pending.
+    ks = policy.plan(list(range(8)), EngineLoad(10, 0, budget, num_prefilling=2, num_prompt_tokens=40))
+    assert sum(ks) == budget - 8 - 40
+    ks = policy.plan(list(range(8)), EngineLoad(10, 0, budget, num_prefilling=2, num_prompt_tokens=4))
+    assert sum(ks) == (budget - 8) // 2
+    # A backlog that fills the budget: no draft at all.
+    assert policy.plan(list(range(8)), EngineLoad(16, 4, budget, num_prefilling=8, num_prompt_tokens=900)) == [0] * 8
+
+
+def test_a_fit_is_reused_for_a_few_steps_then_redone() -> None:
+    """The local fit runs several times a step: it is kept for _REFIT_AFTER observed steps, then redone, so a
+    changed cost reaches the policy within that many steps."""
+    cost = ForwardCost()
+    for _ in range(4):
+        for rows in range(4, 16):
+            cost.observe(4, rows, weight_bound(4, rows))
+    first = cost.at(4, 8)
+    assert first is not None
+    for step in range(_REFIT_AFTER):
+        assert cost.at(4, 8) is first  # reused: no fit in between
+        cost.observe(4, 4 + step, 10 * compute_bound(4, 4 + step))  # the machine slowed down
+    later = cost.at(4, 8)
+    assert later is not None and later.seconds > first.seconds  # refitted on what was observed since
+
+
+def test_values_of_many_sequences_match_one_at_a_time() -> None:
+    policy = _policy([1, 2, 3], k_max=6)
+    _teach_acceptance(policy, 1, 0.9)
+    _teach_acceptance(policy, 2, 0.2, k=3)  # its own counts reach position 3 only
+    many = policy.acceptance.values_of([1, 2, 3], -1, [6, 6, 2])
+    assert many == [policy.acceptance.values(seq_id, -1, n) for seq_id, n in [(1, 6), (2, 6), (3, 2)]]
+    assert many[0][0] > many[2][0] > many[1][0]  # own counts, shrunk towards the engine-wide value
+    assert policy.acceptance.prob(2, -1, 5) == pytest.approx(many[1][5] / many[1][4])

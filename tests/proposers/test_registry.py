@@ -4,6 +4,8 @@ the rows the target kept."""
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import pytest
 import torch
 
@@ -80,6 +82,16 @@ class HalfK(KPolicy):
         self._k_max.pop(seq_id, None)
 
 
+class RecordingHalfK(HalfK):
+    """HalfK that notes what every `plan` call was asked: the sequence ids and the load."""
+
+    seen: ClassVar[list[tuple[list[int], EngineLoad]]] = []
+
+    def plan(self, seq_ids, load: EngineLoad):
+        RecordingHalfK.seen.append((list(seq_ids), load))
+        return super().plan(seq_ids, load)
+
+
 @pytest.fixture
 def registered(monkeypatch, tiny_model, tokenizer):
     """Registers `replay` and `half` (one line each) and returns the greedy reference outputs."""
@@ -93,6 +105,8 @@ def registered(monkeypatch, tiny_model, tokenizer):
 
     monkeypatch.setitem(PROPOSERS, "replay", ProposerEntry(ReplayProposer.traits, build_replay))
     monkeypatch.setitem(K_POLICIES, "half", HalfK)
+    monkeypatch.setitem(K_POLICIES, "recording-half", RecordingHalfK)
+    RecordingHalfK.seen = []
     return plain, built
 
 
@@ -174,3 +188,31 @@ def make_llm_with_spy(monkeypatch, tiny_model, tokenizer):
         return LLM.from_model(tiny_model, tokenizer, EngineConfig(max_model_len=256, speculation=spec)), calls
 
     return make
+
+
+def test_plan_sees_only_decoding_sequences_and_the_prompt_chunks_the_step_will_carry(registered, tiny_model,
+                                                                                    tokenizer):
+    """The scheduler admits before k is planned: `plan` is asked about the decoding sequences only, and the load
+    names the prompts still being prefilled and their tokens left, the chunks the step will carry."""
+    budget = 16
+    config = EngineConfig(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=budget,  # chunked prefill
+                          speculation=SpeculationConfig(method="replay", num_speculative_tokens=4,
+                                                        k_policy="recording-half"))
+    llm = LLM.from_model(tiny_model, tokenizer, config)
+    outs = llm.generate(PROMPTS, GREEDY)
+    prompt_tokens = sum(len(o.prompt_token_ids) for o in outs)
+    assert prompt_tokens > budget + 1  # so a step prefills while another sequence decodes
+    seen = RecordingHalfK.seen
+    assert seen and all(seq_ids for seq_ids, _ in seen)  # never asked about a step with no decoding sequence
+    for seq_ids, load in seen:
+        assert load.num_running == len(seq_ids) + load.num_prefilling
+        assert (load.num_prompt_tokens > 0) == (load.num_prefilling > 0)
+        assert load.max_num_batched_tokens == budget
+    # The first plan comes once the first prompt is prefilled: after that many prefill-only steps, each of which
+    # spent the whole budget on prompt tokens.
+    first_ids, first = seen[0]
+    prefill_steps = -(-len(outs[0].prompt_token_ids) // budget)
+    assert first.num_running == len(PROMPTS) and first.num_waiting == 0  # all admitted before planning
+    assert first.num_prefilling >= 1 and first.num_prompt_tokens == prompt_tokens - prefill_steps * budget
+    assert len(first_ids) == len(PROMPTS) - first.num_prefilling
+    assert seen[-1][1].num_prefilling == 0

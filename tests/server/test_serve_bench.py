@@ -43,7 +43,8 @@ def test_serve_benchmark_against_a_live_server(make_llm, start_server, tmp_path)
 def test_serve_benchmark_refuses_bad_arguments(capsys):
     for argv, field in ((["--rates", "0"], "--rates"), (["--settings", "nope"], "--settings"),
                         (["--kinds", "poems"], "--kinds"), (["--url", "http://10.0.0.1:8000"], "--url"),
-                        (["--rates", "", "--concurrency", ""], "--rates and --concurrency")):
+                        (["--rates", "", "--concurrency", ""], "--rates and --concurrency"),
+                        (["--settings", "off,adaptive,off"], "named twice")):
         try:
             serve_bench.parse_args(argv)
         except SystemExit as exc:
@@ -51,3 +52,9 @@ def test_serve_benchmark_refuses_bad_arguments(capsys):
         else:
             raise AssertionError(f"{argv} was accepted")
         assert field in capsys.readouterr().err
+
+
+def test_serve_benchmark_offers_an_a_a_control():
+    args = serve_bench.parse_args(["--settings", "off,off-again,adaptive"])
+    assert args.settings == ["off", "off-again", "adaptive"]
+    assert serve_bench.SPEC_ARGS["off-again"] == serve_bench.SPEC_ARGS["off"]

@@ -229,8 +229,13 @@ class LLMEngine:
         kept (and streamed), and the step's other requests finish with "error".
         """
         deltas, self._pending = self._pending, []
-        load = EngineLoad(self.num_running, self.num_waiting, self.config.max_num_batched_tokens)
-        wanted = self.speculator.wanted_k(self.scheduler.running, load)
+        # Admit first, so k is planned for the step as the scheduler will form it: its prompt chunks included.
+        self.scheduler.admit()
+        num_prefilling, num_prompt_tokens = self.scheduler.prompts_left()
+        load = EngineLoad(self.num_running, self.num_waiting, self.config.max_num_batched_tokens,
+                          num_prefilling, num_prompt_tokens)
+        decoding = [seq for seq in self.scheduler.running if not seq.is_prefilling]
+        wanted = self.speculator.wanted_k(decoding, load)
         scheduled = self.scheduler.schedule(wanted).scheduled
         if not scheduled:
             return StepResult(deltas, 0)

@@ -64,15 +64,24 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self, wanted_draft: dict[int, int]) -> SchedulerOutput:
-        """Pick this step's work. wanted_draft[seq_id] is the k_i the policy asks for a decoding sequence;
-        it is cut so the sequence cannot draft past max_tokens / max_model_len or the step's budget."""
+    def admit(self) -> None:
+        """Move waiting requests into the running set while a slot is free. Called before k is planned, so the
+        plan sees the prompts this step will prefill; `schedule` calls it too (a no-op then)."""
         while self.waiting and len(self.running) < self.max_num_seqs and self.cache.num_free_slots > 0:
             seq = self.waiting.popleft()
             seq.slot = self.cache.allocate()
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
 
+    def prompts_left(self) -> tuple[int, int]:
+        """(running sequences still prefilling, prompt tokens they have left to prefill)."""
+        prefilling = [s for s in self.running if s.is_prefilling]
+        return len(prefilling), sum(len(s.prompt_token_ids) - s.num_computed for s in prefilling)
+
+    def schedule(self, wanted_draft: dict[int, int]) -> SchedulerOutput:
+        """Pick this step's work. wanted_draft[seq_id] is the k_i the policy asks for a decoding sequence;
+        it is cut so the sequence cannot draft past max_tokens / max_model_len or the step's budget."""
+        self.admit()
         budget = self.max_num_batched_tokens
         work: list[ScheduledSeq] = []
         # Every decoding sequence gets its one token first (EngineConfig guarantees the budget covers them),

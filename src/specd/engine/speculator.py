@@ -103,10 +103,10 @@ class Speculator:
             policy.release(seq_id)
 
     # ---------------------------------------------------------------- step
-    def wanted_k(self, running: Seq[Sequence], load: EngineLoad) -> dict[int, int]:
-        """schedule's input: the k_i each running sequence's policy asks for (the scheduler may cut it)."""
+    def wanted_k(self, decoding: Seq[Sequence], load: EngineLoad) -> dict[int, int]:
+        """schedule's input: the k_i each decoding sequence's policy asks for (the scheduler may cut it)."""
         by_policy: dict[KPolicy, list[Sequence]] = {}
-        for seq in running:
+        for seq in decoding:
             if seq.k_policy is not None:
                 by_policy.setdefault(seq.k_policy, []).append(seq)
         wanted: dict[int, int] = {}

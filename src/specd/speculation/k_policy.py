@@ -31,11 +31,14 @@ MAX_NUM_SPECULATIVE_TOKENS = 64
 
 
 class EngineLoad(NamedTuple):
-    """What a policy sees of the engine when it plans k, before the step's batch is formed."""
+    """What a policy sees of the engine when it plans k: the step's sequences are admitted, its batch not yet formed.
+    `plan` is asked only about decoding sequences; the prefilling ones are here as load."""
 
-    num_running: int  # sequences holding a KV slot (decoding or prefilling)
-    num_waiting: int  # requests queued for a slot
+    num_running: int  # sequences holding a KV slot (decoding or prefilling), admissions of this step included
+    num_waiting: int  # requests still queued for a slot
     max_num_batched_tokens: int  # the token budget of one step
+    num_prefilling: int = 0  # of num_running, the sequences with prompt tokens left: the step carries their chunks
+    num_prompt_tokens: int = 0  # prompt tokens those sequences have left (the step prefills what the budget allows)
 
 
 class StepView(NamedTuple):
@@ -100,7 +103,7 @@ class KPolicy(Protocol):
         ...
 
     def plan(self, seq_ids: Sequence[int], load: EngineLoad) -> list[int]:
-        """k_i in [0, k_max_i] for each of its running sequences, before scheduling. Changes no state its
+        """k_i in [0, k_max_i] for each of its decoding sequences, before scheduling. Changes no state its
         decisions depend on (a policy may note what it planned, for its snapshot)."""
         ...
 

@@ -20,7 +20,8 @@ k_i is a prefix. As S grows, dF/dR grows towards F / S (a CPU forward turns comp
 its plain value, so the price of a draft token climbs past any v_ij and k falls to 0 within a step of the load
 arriving; when the load leaves, the cells measured at small S price drafts cheaply again, so k comes back.
 
-Where it decides: `plan` chooses k_i before drafting, so a model-based proposer drafts no more than pays; `keep`
+Where it decides: `plan` chooses k_i before drafting, so a model-based proposer drafts no more than pays, into
+the rows the step's prompt chunks leave free in the budget; `keep`
 re-decides after drafting with the step as formed (prompt chunks included) and the draft's bucket (ngram: its
 match length), counting drafting as already paid, so it can only cut. Acceptance is counted per (bucket,
 position), engine-wide and per sequence (shrunk towards the engine-wide value, so a sequence that copies well
@@ -45,7 +46,9 @@ from specd.speculation.policies.step_cost import DraftCost, ForwardCost
 if TYPE_CHECKING:
     from specd.config import SpeculationConfig
 
-MARGIN = 0.03  # drafting must promise this much more than plain decoding: estimates are noisy, a tax is not
+MARGIN = 0.08  # drafting must promise this much more than plain decoding: estimates are noisy, a tax is not
+# (int4 serving grid, session 13: with 0.03 a draft row at 8 sequences, ~8 % of the step, was kept on a promised
+# 3-5 % and 8 clients ran at 0.96x of off; with 0.08 every point of the grid held 0.99-1.16x)
 PROBE_INTERVAL = 16  # the shortest probe interval (steps), where a row is nearly free
 MAX_PROBE_INTERVAL = 256
 PROBE_SHARE = 0.01  # probes may cost at most this share of the step time (int4, 8 sequences: a row is ~1/8 of the
@@ -87,24 +90,37 @@ class Acceptance:
         self._global: dict[int, _Counts] = {}
         self._per_seq: dict[int, dict[int, _Counts]] = {}
 
-    def prob(self, seq_id: int, bucket: int, position: int) -> float:
+    def _global_probs(self, bucket: int, length: int) -> list[float]:
         g = self._global.get(bucket)
-        accepted, reached = 0.0, 0.0
-        if g is not None and position < len(g.reached):
-            accepted, reached = g.accepted[position], g.reached[position]
-        p_global = (accepted + _PRIOR[0]) / (reached + _PRIOR[1])
+        known = 0 if g is None else min(length, len(g.reached))
+        out = [(g.accepted[j] + _PRIOR[0]) / (g.reached[j] + _PRIOR[1]) for j in range(known)] if g else []
+        return out + [_PRIOR[0] / _PRIOR[1]] * (length - known)
+
+    def prob(self, seq_id: int, bucket: int, position: int) -> float:
+        return self._probs(seq_id, bucket, self._global_probs(bucket, position + 1))[position]
+
+    def _probs(self, seq_id: int, bucket: int, global_probs: list[float]) -> list[float]:
         own = self._per_seq.get(seq_id, {}).get(bucket)
-        if own is None or position >= len(own.reached):
-            return p_global
-        return (own.accepted[position] + _SEQ_PRIOR_WEIGHT * p_global) / (own.reached[position] + _SEQ_PRIOR_WEIGHT)
+        if own is None:
+            return global_probs
+        mine = min(len(global_probs), len(own.reached))
+        return [(own.accepted[j] + _SEQ_PRIOR_WEIGHT * global_probs[j]) / (own.reached[j] + _SEQ_PRIOR_WEIGHT)
+                for j in range(mine)] + global_probs[mine:]
 
     def values(self, seq_id: int, bucket: int, length: int) -> list[float]:
         """v_j = prod_{l <= j} p(l) for j < length: the expected emitted tokens each draft position adds."""
-        out: list[float] = []
-        survive = 1.0
-        for j in range(length):
-            survive *= self.prob(seq_id, bucket, j)
-            out.append(survive)
+        return self.values_of([seq_id], bucket, [length])[0]
+
+    def values_of(self, seq_ids: Sequence[int], bucket: int, lengths: Sequence[int]) -> list[list[float]]:
+        """`values` for many sequences of one bucket (the engine-wide probabilities are read once)."""
+        global_probs = self._global_probs(bucket, max(lengths, default=0))
+        out = []
+        for seq_id, length in zip(seq_ids, lengths, strict=True):
+            row, survive = [], 1.0
+            for p in self._probs(seq_id, bucket, global_probs[:length]):
+                survive *= p
+                row.append(survive)
+            out.append(row)
         return out
 
     def observe(self, seq_id: int, bucket: int, num_drafted: int, num_accepted: int) -> None:
@@ -140,8 +156,12 @@ def choose(
     draft_per_position: seconds one more draft position adds (0: drafts are made or free)."""
     longest = max((len(row) for row in values), default=0)
     cost = forward.at(num_seqs, base_rows + sum(len(row) for row in values) // 2)
-    if cost is None:  # the scheduler cuts to the budget
-        return Decision([min(len(row), EXPLORE_K) for row in values], "explore", None, None)
+    if cost is None:
+        room, explore = max(0, max_rows - base_rows), []
+        for row in values:
+            explore.append(min(len(row), EXPLORE_K, room))
+            room -= explore[-1]
+        return Decision(explore, "explore", None, None)
     plain_seconds = max(cost.seconds - cost.seconds_per_row * (sum(len(row) for row in values) // 2), 1e-9)
     rate_plain = num_seqs / plain_seconds
     best = (rate_plain * (1.0 + MARGIN), 0, 0)  # (rate, cap, number of tokens kept)
@@ -207,15 +227,23 @@ class AdaptiveK(KPolicy):
         return min(MAX_PROBE_INTERVAL, max(PROBE_INTERVAL, math.ceil(interval)))
 
     def plan(self, seq_ids: Sequence[int], load: EngineLoad) -> list[int]:
-        num_seqs = max(load.num_running, len(seq_ids))
-        # The scheduler gives drafts at most half of the budget left while prompts wait (it never stalls them).
-        room = load.max_num_batched_tokens - num_seqs
-        max_rows = num_seqs + (room // 2 if load.num_waiting else room)
-        values = [self.acceptance.values(sid, _ANY_BUCKET, self._k_max[sid]) for sid in seq_ids]
+        # Drafts are priced as rows of a decode step of all the step's sequences (a prompt chunk's rows are cheaper
+        # than rows that are verified: those also pay the LM head and the sampler, so a step that carries a chunk
+        # would underprice them; measured: pricing them in that step's cost cost 7 % of off's throughput at 4-8
+        # req/s). They get only the rows the prompts leave free: a draft row that displaced a prompt token would
+        # keep that sequence out of the decoding batch a step longer.
+        num_decoding = max(load.num_running - load.num_prefilling, len(seq_ids))
+        num_seqs = num_decoding + load.num_prefilling  # sequences in the forward
+        room = max(0, load.max_num_batched_tokens - num_decoding)
+        prompt_rows = min(load.num_prompt_tokens, room)
+        # (the scheduler also caps drafts at half the room while prompts are pending)
+        draft_room = min(room // 2, room - prompt_rows) if load.num_prefilling else room
+        values = self.acceptance.values_of(seq_ids, _ANY_BUCKET, [self._k_max[sid] for sid in seq_ids])
         drafting = sum(1 for sid in seq_ids if self._k_max[sid] > 0)
-        decision = choose(values, num_seqs, num_seqs, max_rows, self.forward, self.draft.per_position(drafting))
+        decision = choose(values, num_seqs, num_seqs, num_seqs + draft_room, self.forward,
+                          self.draft.per_position(drafting))
         self.last_decision = decision
-        self.probe_interval = self._interval(num_seqs)
+        self.probe_interval = self._interval(num_decoding)
         ks = list(decision.k)
         for i, sid in enumerate(seq_ids):
             if ks[i] == 0 and self._probing(sid):
@@ -224,6 +252,8 @@ class AdaptiveK(KPolicy):
         return ks
 
     def keep(self, drafts: Sequence[DraftSpan], step: StepView) -> list[int]:
+        if not drafts:
+            return []
         lengths = [d.num_tokens for d in drafts]
         values = [self.acceptance.values(d.seq_id, min(d.bucket, _MAX_BUCKET), d.num_tokens) for d in drafts]
         base_rows = step.num_new_tokens - sum(lengths)

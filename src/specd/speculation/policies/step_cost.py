@@ -27,6 +27,10 @@ _EMA = 0.2  # weight of a new sample in its cell, once the cell has _WARM sample
 _WARM = 4
 _MAX_WEIGHT = 20.0  # a cell's weight in a fit: its sample count, capped
 _MAX_CELLS = 2048  # beyond this, the least-sampled cells are dropped (a long-lived server sees many shapes)
+_REFIT_AFTER = 8  # a fit is reused until this many steps were observed since it was made: a fit reads dozens of
+# cells and ran ~3 times a step (~0.5 ms at 32 sequences, ~1 % of a step, paid whatever k is), while one step moves
+# one cell's mean by a fifth of its error at most
+_MAX_FITS = 512
 
 
 class _Cell:
@@ -79,6 +83,8 @@ class ForwardCost:
     def __init__(self) -> None:
         self._cells: dict[tuple[int, int], _Cell] = {}
         self._rows_by_seqs: dict[int, dict[int, _Cell]] = {}  # the same cells, indexed by S for the local fit
+        self._num_observed = 0
+        self._fits: dict[tuple[int, int], tuple[int, LocalCost | None]] = {}  # (S, R) -> (when fitted, fit)
 
     @property
     def num_cells(self) -> int:
@@ -86,6 +92,7 @@ class ForwardCost:
 
     def observe(self, num_seqs: int, num_rows: int, seconds: float) -> None:
         if num_seqs > 0 and num_rows >= num_seqs and seconds > 0.0 and math.isfinite(seconds):
+            self._num_observed += 1
             _add(self._cells, (num_seqs, _row_cell(num_rows)), seconds)
             if len(self._cells) < sum(len(rows) for rows in self._rows_by_seqs.values()) or not self._rows_by_seqs:
                 self._rows_by_seqs = {}  # cells were dropped: rebuild the index
@@ -96,7 +103,19 @@ class ForwardCost:
                 self._rows_by_seqs.setdefault(num_seqs, {})[key[1]] = self._cells[key]
 
     def at(self, num_seqs: int, num_rows: int) -> LocalCost | None:
-        """The local plane at (num_seqs, num_rows); None until three cells not on one line were measured."""
+        """The local plane at (num_seqs, num_rows); None until three cells not on one line were measured. A fit is
+        reused until _REFIT_AFTER more steps were observed (one that found nothing is redone every time)."""
+        key = (num_seqs, num_rows)
+        cached = self._fits.get(key)
+        if cached is not None and self._num_observed - cached[0] < _REFIT_AFTER and cached[1] is not None:
+            return cached[1]
+        if len(self._fits) >= _MAX_FITS:
+            self._fits.clear()
+        fit = self._fit(num_seqs, num_rows)
+        self._fits[key] = (self._num_observed, fit)
+        return fit
+
+    def _fit(self, num_seqs: int, num_rows: int) -> LocalCost | None:
         if len(self._cells) < 3:
             return None
         seq_width = max(2.0, 0.25 * num_seqs)
