@@ -1,6 +1,6 @@
 """specd's q4/q8 kernels per call by row count, against an earlier commit's kernels in the same process.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/gemm_rows.py --baseline 1de80ee [--rows 1 2 4 8 16]
+    OMP_NUM_THREADS=1 .venv/bin/python bench/gemm_rows.py --baseline 1de80ee [--rows 1 2 4 8 16] [--isa avx2]
 
 The baseline commit's quant_gemm.cpp is built as its own extension (`specd_quant_gemm_baseline`) and its
 blockquant.py lays out the weights it reads (the weight order has changed between versions); both kernels get the
@@ -67,11 +67,14 @@ def main() -> None:
     ap.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 8, 16])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--seconds", type=float, default=0.15, help="CPU seconds per measurement")
+    ap.add_argument("--isa", choices=list(kernels.ISA_FLAGS), default=None,
+                    help="the build to compare, both kernels (default: the best this CPU runs, kernels.cpu_isa())")
     args = ap.parse_args()
     if any(r < 1 for r in args.rows):
         ap.error("--rows: every count must be >= 1")
-    current = kernels.build("avx2" if kernels.cpu_has_avx2() else "scalar")
-    flags = ["-O3", "-mavx2", "-mfma", "-mf16c"] if kernels.cpu_has_avx2() else ["-O3", "-DSPECD_SCALAR"]
+    isa = args.isa or kernels.cpu_isa()
+    current = kernels.build(isa)
+    flags = ["-O3", *kernels.ISA_FLAGS[isa]]  # the same flags for both (a source without VNNI code ignores them)
     with tempfile.TemporaryDirectory() as directory:
         source, old_layout = baseline_files(args.baseline, Path(directory))
         baseline = kernels.load_extension("specd_quant_gemm_baseline", source, flags)

@@ -17,10 +17,12 @@ from specd.kernels.blockquant import (
     reference_linear,
 )
 
+VNNI_BUILDS = ("avxvnni", "avx512vnni")
+
 
 @pytest.fixture(scope="module")
 def native():
-    module = specd.kernels.build("avx2" if specd.kernels.cpu_has_avx2() else "scalar")
+    module = specd.kernels.build(specd.kernels.cpu_isa())
     if module is None:
         pytest.skip("specd's native kernels did not build here (see the warning)")
     return module
@@ -209,8 +211,51 @@ def test_the_kernels_are_on_by_default(monkeypatch, native):
     try:
         module = specd.kernels.native()
         assert module is not None and module.uses_avx2() == specd.kernels.cpu_has_avx2()
+        assert module.uses_vnni() == (specd.kernels.cpu_isa() in VNNI_BUILDS)
     finally:
         specd.kernels.native.cache_clear()
+
+
+def test_avx2_opts_out_of_vnni_only(monkeypatch, native):
+    monkeypatch.setenv(specd.kernels.ENV_VAR, "avx2")
+    specd.kernels.native.cache_clear()
+    try:
+        module = specd.kernels.native()
+        assert module is not None and module.uses_avx2() == specd.kernels.cpu_has_avx2()
+        assert not module.uses_vnni()
+    finally:
+        specd.kernels.native.cache_clear()
+
+
+def test_the_best_build_follows_the_cpu_flags(monkeypatch):
+    for flags, isa in [({"avx2", "fma", "f16c", "avx_vnni", "avx512_vnni", "avx512vl"}, "avxvnni"),
+                       ({"avx2", "fma", "f16c", "avx512_vnni", "avx512vl"}, "avx512vnni"),
+                       ({"avx2", "fma", "f16c", "avx512_vnni"}, "avx2"),  # the 256-bit EVEX form needs VL
+                       ({"avx2", "fma", "avx_vnni"}, "scalar"),  # no F16C: no vector build at all
+                       (set(), "scalar")]:
+        monkeypatch.setattr(specd.kernels, "_cpu_flags", lambda flags=flags: flags)
+        assert specd.kernels.cpu_isa() == isa, flags
+
+
+@pytest.mark.parametrize("isa", VNNI_BUILDS)
+def test_a_vnni_build_gives_the_avx2_builds_bits(isa):
+    # dpbusd adds the same exact four-byte integer sums as maddubs + madd: every output bit must match, in every
+    # tile shape (rows 1..5 and 16; columns not a multiple of 4) and group size (192 = 4+2 blocks, 224 = 4+2+1).
+    flags = specd.kernels._cpu_flags()
+    needed = {"avxvnni": {"avx_vnni"}, "avx512vnni": {"avx512_vnni", "avx512vl"}}[isa]
+    if not specd.kernels.cpu_has_avx2() or not needed <= flags:
+        pytest.skip(f"this CPU cannot run the {isa} build")
+    try:
+        vnni, avx2 = specd.kernels.build(isa), specd.kernels.build("avx2")
+    except Exception as exc:  # an old compiler without the flag: the default then is still the best that builds
+        pytest.skip(f"the {isa} build failed: {exc}")
+    assert vnni.uses_vnni() and not avx2.uses_vnni()
+    torch.manual_seed(3)
+    for quantize, in_features, rows in itertools.product((quantize_q4, quantize_q8), (192, 224), (1, 2, 3, 4, 5, 16)):
+        weight = quantize(_weights(out_features=203, in_features=in_features, seed=rows))
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(rows, in_features).to(dtype)
+            assert torch.equal(weight.linear(vnni, x, float_out=True), weight.linear(avx2, x, float_out=True))
 
 
 def test_an_int4_model_without_the_kernels_uses_torchs(monkeypatch):

@@ -3,11 +3,14 @@
 `native()` compiles `quant_gemm.cpp` with torch.utils.cpp_extension (ninja and the system C++ compiler) into
 torch's extension cache (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions), once per machine and
 source version; later processes load the cached library in milliseconds. The instruction set is chosen at
-build time: AVX2 + FMA + F16C intrinsics where /proc/cpuinfo lists all three, the scalar C++ loops otherwise
-(each under its own extension name, so the two builds never overwrite each other).
+build time from /proc/cpuinfo (`cpu_isa`): AVX2 + FMA + F16C intrinsics where all three are listed, with VNNI's
+`dpbusd` for the integer dots where the CPU also has AVX-VNNI ("avxvnni") or AVX512-VNNI with AVX512VL
+("avx512vnni"); the scalar C++ loops otherwise. Each under its own extension name, so builds never overwrite each
+other. All of them give the same bits: the integer dots are exact whichever instructions add them up.
 
 The kernels are ON by default wherever they build: SPECD_NATIVE_KERNELS=0 opts out (the model then keeps torch's
-int4/int8 kernels), =scalar builds and uses the scalar loops even on an AVX2 CPU. A failed build warns once and
+int4/int8 kernels), =scalar builds and uses the scalar loops even on an AVX2 CPU, =avx2 the AVX2 kernels without
+VNNI even where the CPU has it. A failed build warns once and
 returns None: callers fall back to the torch path. (Session 5 shipped them off, because greedy speculation differed
 from plain int4 decoding with them on; the cause was in attention, not here: torch's bmm rounded a verified row
 differently from the same row decoded alone, see model/attention.py.)
@@ -25,28 +28,49 @@ from types import ModuleType
 ENV_VAR = "SPECD_NATIVE_KERNELS"
 _SOURCE = Path(__file__).with_name("quant_gemm.cpp")
 _AVX2_FLAGS = ("avx2", "fma", "f16c")
+# The builds, best first where the CPU has them, and their compiler flags.
+ISA_FLAGS: dict[str, tuple[str, ...]] = {
+    "avxvnni": ("-mavx2", "-mfma", "-mf16c", "-mavxvnni"),
+    "avx512vnni": ("-mavx2", "-mfma", "-mf16c", "-mavx512vnni", "-mavx512vl"),
+    "avx2": ("-mavx2", "-mfma", "-mf16c"),
+    "scalar": ("-DSPECD_SCALAR",),
+}
 
 
-def cpu_has_avx2() -> bool:
-    """Whether this CPU has AVX2, FMA and F16C (Linux: read from /proc/cpuinfo; elsewhere: assume not)."""
+def _cpu_flags() -> set[str]:
+    """The CPU's feature flags (Linux: /proc/cpuinfo; elsewhere: none known)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
+        return set()
     for line in text.splitlines():
         if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-            return all(flag in flags for flag in _AVX2_FLAGS)
-    return False
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def cpu_has_avx2() -> bool:
+    """Whether this CPU has AVX2, FMA and F16C."""
+    return all(flag in _cpu_flags() for flag in _AVX2_FLAGS)
+
+
+def cpu_isa() -> str:
+    """The best build of ISA_FLAGS this CPU runs: "avxvnni", "avx512vnni", "avx2" or "scalar"."""
+    flags = _cpu_flags()
+    if not all(flag in flags for flag in _AVX2_FLAGS):
+        return "scalar"
+    if "avx_vnni" in flags:
+        return "avxvnni"
+    if {"avx512_vnni", "avx512vl"} <= flags:
+        return "avx512vnni"
+    return "avx2"
 
 
 def build(isa: str) -> ModuleType:
-    """Compile (or load from torch's cache) the extension for `isa` ("avx2" or "scalar"). Raises on failure."""
-    if isa not in ("avx2", "scalar"):
-        raise ValueError(f"isa: {isa!r} is not 'avx2' or 'scalar'")
-
-    flags = ["-O3", "-mavx2", "-mfma", "-mf16c"] if isa == "avx2" else ["-O3", "-DSPECD_SCALAR"]
-    return load_extension(f"specd_quant_gemm_{isa}", _SOURCE, flags)
+    """Compile (or load from torch's cache) the extension for `isa` (a key of ISA_FLAGS). Raises on failure."""
+    if isa not in ISA_FLAGS:
+        raise ValueError(f"isa: {isa!r} is not one of {', '.join(ISA_FLAGS)}")
+    return load_extension(f"specd_quant_gemm_{isa}", _SOURCE, ["-O3", *ISA_FLAGS[isa]])
 
 
 def build_directory(name: str) -> Path:
@@ -90,10 +114,11 @@ def build_or_fall_back(build_isa: Callable[[str], ModuleType], what: str, fallba
     setting = os.environ.get(ENV_VAR, "").strip().lower()
     if setting in ("0", "off", "false", "no"):
         return None
-    if setting not in ("", "1", "on", "scalar"):
-        warnings.warn(f"{ENV_VAR}={setting!r} is not 0, 1 or scalar; {what} off", stacklevel=3)
+    if setting not in ("", "1", "on", "scalar", "avx2"):
+        warnings.warn(f"{ENV_VAR}={setting!r} is not 0, 1, avx2 or scalar; {what} off", stacklevel=3)
         return None
-    isa = "scalar" if setting == "scalar" or not cpu_has_avx2() else "avx2"
+    best = cpu_isa()
+    isa = "scalar" if setting == "scalar" or best == "scalar" else "avx2" if setting == "avx2" else best
     try:
         return build_isa(isa)
     except Exception as exc:  # a missing compiler, ninja or header: the torch path still works

@@ -22,15 +22,17 @@ from types import ModuleType
 
 import torch
 
-from specd.kernels import build_or_fall_back, load_extension
+from specd.kernels import ISA_FLAGS, build_or_fall_back, load_extension
 
 _SOURCE = Path(__file__).with_name("fused_ops.cpp")
 
 
 def build(isa: str) -> ModuleType:
-    """Compile (or load from torch's cache) the fused ops for `isa` ("avx2" or "scalar"). Raises on failure."""
-    if isa not in ("avx2", "scalar"):
-        raise ValueError(f"isa: {isa!r} is not 'avx2' or 'scalar'")
+    """Compile (or load from torch's cache) the fused ops for `isa` (a key of specd.kernels.ISA_FLAGS; the VNNI
+    builds are the AVX2 one here: these ops have no integer dots). Raises on failure."""
+    if isa not in ISA_FLAGS:
+        raise ValueError(f"isa: {isa!r} is not one of {', '.join(ISA_FLAGS)}")
+    isa = "scalar" if isa == "scalar" else "avx2"
 
     # -ffp-contract=off: the scalar arithmetic rounds where the source says, as torch's composite does.
     flags = ["-O3", "-ffp-contract=off", "-fopenmp"]

@@ -44,6 +44,19 @@
 #define SPECD_AVX2 0
 #endif
 
+// VNNI (the "vnni" build: -mavxvnni, or -mavx512vnni -mavx512vl where only the EVEX form exists): one `dpbusd`
+// replaces maddubs + madd (+ add), the same four-byte sums in the same int32 lanes, exact in both (maddubs cannot
+// saturate here, see the tiles), so the two builds give the same bits; only the instruction count differs.
+#if SPECD_AVX2 && defined(__AVXVNNI__)
+#define SPECD_VNNI 1
+#define SPECD_DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32((acc), (u), (s))
+#elif SPECD_AVX2 && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define SPECD_VNNI 1
+#define SPECD_DPBUSD(acc, u, s) _mm256_dpbusd_epi32((acc), (u), (s))
+#else
+#define SPECD_VNNI 0
+#endif
+
 namespace {
 
 constexpr int64_t kBlock = 32;
@@ -288,7 +301,7 @@ struct Q4Tile {
 
     template <int S>
     void group(int64_t g, int64_t first) const {
-      const __m256i ones = _mm256_set1_epi16(1);
+      [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
       const int64_t prefetch = kPrefetchColumns * (tile.x.k / 2);
       for (int c = 0; c < C; ++c) {
         const uint8_t* wg = w[c] + first * 16;
@@ -298,10 +311,16 @@ struct Q4Tile {
         const __m256 ws = group_lanes<S>(w_scales[c] + first);
         for (int r = 0; r < R; ++r) {
           const int8_t* xg = xq[r] + first * kBlock;
+#if SPECD_VNNI
+          __m256i s = SPECD_DPBUSD(_mm256_setzero_si256(), u[0], load32(xg));
+          for (int t = 1; t < S; ++t) s = SPECD_DPBUSD(s, u[t], load32(xg + 32 * t));
+          acc[r * C + c] = accumulate(s, ws, x_scales[r] + g * 8, acc[r * C + c]);
+#else
           // int16 lanes add to at most 4 * 2 * 15 * 127 = 15240: no overflow before madd widens them.
           __m256i s = _mm256_maddubs_epi16(u[0], load32(xg));
           for (int t = 1; t < S; ++t) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(u[t], load32(xg + 32 * t)));
           acc[r * C + c] = accumulate(_mm256_madd_epi16(s, ones), ws, x_scales[r] + g * 8, acc[r * C + c]);
+#endif
         }
       }
     }
@@ -354,7 +373,7 @@ struct Q8Tile {
 
     template <int S>
     void group(int64_t g, int64_t first) const {
-      const __m256i ones = _mm256_set1_epi16(1);
+      [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
       const int64_t prefetch = kPrefetchColumns * tile.x.k;
       for (int c = 0; c < C; ++c) {
         const int8_t* wg = w[c] + first * kBlock;
@@ -367,6 +386,10 @@ struct Q8Tile {
         const __m256 ws = group_lanes<S>(w_scales[c] + first);
         for (int r = 0; r < R; ++r) {
           const int8_t* xg = xq[r] + first * kBlock;
+#if SPECD_VNNI
+          __m256i s = SPECD_DPBUSD(_mm256_setzero_si256(), magnitudes[0], _mm256_sign_epi8(load32(xg), signs[0]));
+          for (int t = 1; t < S; ++t) s = SPECD_DPBUSD(s, magnitudes[t], _mm256_sign_epi8(load32(xg + 32 * t), signs[t]));
+#else
           __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(magnitudes[0], _mm256_sign_epi8(load32(xg), signs[0])),
                                         ones);
           for (int t = 1; t < S; ++t) {
@@ -374,6 +397,7 @@ struct Q8Tile {
                                         _mm256_maddubs_epi16(magnitudes[t], _mm256_sign_epi8(load32(xg + 32 * t), signs[t])),
                                         ones));
           }
+#endif
           acc[r * C + c] = accumulate(s, ws, x_scales[r] + g * 8, acc[r * C + c]);
         }
       }
@@ -587,6 +611,7 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 }
 
 bool uses_avx2() { return SPECD_AVX2 != 0; }
+bool uses_vnni() { return SPECD_VNNI != 0; }
 
 // q4_linear's address for specd's fused decoder layer (fused_ops.cpp), which calls it between its own ops: the
 // layer then runs this very code, compiled with this file's flags, so its GEMMs are the same bits as q4_linear's
@@ -601,5 +626,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_linear", &q4_linear, "int4-block weight x int8-quantised activation GEMM");
   m.def("q8_linear", &q8_linear, "int8-block weight x int8-quantised activation GEMM");
   m.def("uses_avx2", &uses_avx2, "whether this build runs the AVX2 kernels");
+  m.def("uses_vnni", &uses_vnni, "whether its integer dots are VNNI dpbusd (same bits, fewer instructions)");
   m.def("q4_linear_capsule", &q4_linear_capsule, "q4_linear's address, for the fused decoder layer");
 }
