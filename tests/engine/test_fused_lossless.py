@@ -39,3 +39,25 @@ def test_int4_greedy_speculation_with_fused_ops_equals_plain_decoding(make_llm, 
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == plain
     assert llm.get_metrics()["counters"]["drafts"] > 0
+
+
+@pytest.mark.parametrize("budget", [8, 512])
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_dense_prompt_rows_keep_greedy_speculation_token_identical(make_llm, int4_model, method, budget):
+    # Prompt rows through the dense bfloat16 copies (as on AMX CPUs by default): with a budget of 8 tokens the
+    # prompts are chunked, and differently with speculation on (verification rows take part of each step), and the
+    # fifth prompt is prefilled beside whichever sequences are then decoding. A prompt row's result must not change.
+    was = int4_model.dense_prompt_rows
+    assert int4_model.set_dense_prompt_rows(True)
+    try:
+        plain_llm = make_llm(model=int4_model, max_num_seqs=4, max_num_batched_tokens=budget)
+        plain = [o.outputs[0].token_ids for o in plain_llm.generate(PROMPTS, GREEDY)]
+        proposer = DraftModelProposer(int4_model, 8, 256) if method == "draft" else None
+        spec = SpeculationConfig(method="layerskip" if method == "draft" else method, num_speculative_tokens=4,
+                                 k_policy="fixed", draft_layers=1)
+        llm = make_llm(spec, model=int4_model, proposer=proposer, max_num_seqs=4, max_num_batched_tokens=budget)
+        outs = llm.generate(PROMPTS, GREEDY)
+    finally:
+        int4_model.set_dense_prompt_rows(was)
+    assert [o.outputs[0].token_ids for o in outs] == plain
+    assert llm.get_metrics()["counters"]["drafts"] > 0

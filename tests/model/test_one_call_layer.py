@@ -17,6 +17,7 @@ from specd.testing import tiny_hf_config_dict, tiny_hf_model
 # hidden 64 / intermediate 128: projections of 2 and 4 input blocks; hidden 160 / intermediate 288 (head_dim 40): 5
 # and 9 blocks, so the GEMMs run full groups of four blocks and partial last groups
 CONFIGS = {"small": {}, "odd": {"hidden_size": 160, "intermediate_size": 288}}
+NO_ROWS = torch.empty(0, dtype=torch.long)  # decoder_layers' row split when no row is a prompt row
 
 
 @pytest.fixture(scope="module")
@@ -40,12 +41,13 @@ def model(request, fused):
 
 # Three sequences through: a ragged prefill (chunks of 7, 3 and 12 tokens, the last one's prompt in two chunks), one
 # decode row each, a multi-row verification beside decode rows, then prefill beside decode and verification rows.
+# (tokens, start positions, which sequences' tokens are prompt chunks)
 STEPS = [
-    ([[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], [(5 * i) % 300 + 3 for i in range(12)]], [0, 0, 0]),
-    ([[11], [12], [(7 * i) % 300 + 4 for i in range(9)]], [7, 3, 12]),
-    ([[13], [14], [15]], [8, 4, 21]),
-    ([[16, 17, 18, 19], [20], [21, 22, 23]], [9, 5, 22]),
-    ([[24], list(range(30, 70)), [25, 26]], [13, 6, 25]),
+    ([[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], [(5 * i) % 300 + 3 for i in range(12)]], [0, 0, 0], [True, True, True]),
+    ([[11], [12], [(7 * i) % 300 + 4 for i in range(9)]], [7, 3, 12], [False, False, True]),
+    ([[13], [14], [15]], [8, 4, 21], [False, False, False]),
+    ([[16, 17, 18, 19], [20], [21, 22, 23]], [9, 5, 22], [False, False, False]),
+    ([[24], list(range(30, 70)), [25, 26]], [13, 6, 25], [False, True, False]),
 ]
 
 
@@ -56,8 +58,8 @@ def _run(model: LlamaForCausalLM, one_call: bool):
     slots = [cache.allocate() for _ in range(3)]
     cache.reserve(96)
     logits, hidden = [], []
-    for tokens, starts in STEPS:
-        batch = ForwardBatch.build(tokens, slots, starts, [list(range(len(t))) for t in tokens])
+    for tokens, starts, prompts in STEPS:
+        batch = ForwardBatch.build(tokens, slots, starts, [list(range(len(t))) for t in tokens], prompts)
         out = model.forward_with_hidden(batch, cache, hidden_layers=[*range(len(model.layers)), -1])
         logits.append(out.logits)
         hidden.append(out.hidden_states)
@@ -65,8 +67,14 @@ def _run(model: LlamaForCausalLM, one_call: bool):
     return torch.cat(logits), torch.cat(hidden), torch.stack(cache.kv)
 
 
-def test_the_model_gives_the_same_bits_with_one_call_layers(model):
-    with_one_call, op_by_op = _run(model, True), _run(model, False)
+@pytest.mark.parametrize("dense_prompts", [False, True])
+def test_the_model_gives_the_same_bits_with_one_call_layers(model, dense_prompts):
+    was = model.dense_prompt_rows
+    assert model.set_dense_prompt_rows(dense_prompts) == dense_prompts
+    try:
+        with_one_call, op_by_op = _run(model, True), _run(model, False)
+    finally:
+        model.set_dense_prompt_rows(was)
     for got, want in zip(with_one_call, op_by_op, strict=True):
         assert torch.equal(got, want)
     assert with_one_call[2].abs().amax() > 0  # the caches were written
@@ -90,7 +98,8 @@ def test_one_layer_gives_the_same_output_and_kv_as_forward_fused(model, fused):
             kv.copy_(torch.randn(kv.shape).bfloat16())  # a history for the new rows to attend to
         if one_call:
             out = fused.decoder_layers(model.one_call_stack, 1, 2, hidden, *rope, cache.kv, meta.write_slots,
-                                       meta.write_positions, meta.slot_index, meta.seq_starts, meta.cu_num_new)
+                                       meta.write_positions, meta.slot_index, meta.seq_starts, meta.cu_num_new,
+                                       NO_ROWS, NO_ROWS)
         else:
             out = layer._forward_fused(fused, hidden, rope, cache, meta)
         results.append((out, torch.stack(cache.kv)))
@@ -192,9 +201,9 @@ def test_bad_arguments_name_the_field(model, fused):
     weights = [layer.one_call_weights() for layer in model.layers]
     capsule = kernels.native().q4_linear_capsule()
     with pytest.raises(RuntimeError, match="weights: each layer must have 14 tensors"):
-        fused.make_layer_stack([weights[0][:-1]], 1e-6, 4, capsule)
+        fused.make_layer_stack([weights[0][:-1]], [], 1e-6, 4, capsule)
     with pytest.raises(RuntimeError, match="q4_linear: must be the capsule"):
-        fused.make_layer_stack(weights, 1e-6, 4, _foreign_capsule())
+        fused.make_layer_stack(weights, [], 1e-6, 4, _foreign_capsule())
     cache = model.make_cache(1, 8)
     slot = cache.allocate()
     cache.reserve(8)
@@ -206,7 +215,8 @@ def test_bad_arguments_name_the_field(model, fused):
 
     def call(stack=model.one_call_stack, first=0, end=num_layers, kv=cache.kv):
         return fused.decoder_layers(stack, first, end, hidden, cos, sin_signed, kv, meta.write_slots,
-                                    meta.write_positions, meta.slot_index, meta.seq_starts, meta.cu_num_new)
+                                    meta.write_positions, meta.slot_index, meta.seq_starts, meta.cu_num_new, NO_ROWS,
+                                    NO_ROWS)
 
     assert call().shape == hidden.shape
     with pytest.raises(RuntimeError, match="first, end: must satisfy"):
@@ -214,7 +224,16 @@ def test_bad_arguments_name_the_field(model, fused):
     with pytest.raises(RuntimeError, match="kv: the cache has 1 layers"):
         call(kv=cache.kv[:1])
     with pytest.raises(RuntimeError, match="weights: qkv has"):
-        call(stack=fused.make_layer_stack(weights, 1e-6, 5, capsule))  # 5 query heads: the qkv rows disagree
+        call(stack=fused.make_layer_stack(weights, [], 1e-6, 5, capsule))  # 5 query heads: the qkv rows disagree
+    dense = [[torch.zeros(1, 1, dtype=torch.bfloat16)] * 4 for _ in weights]
+    with pytest.raises(RuntimeError, match="dense: one entry per layer"):
+        fused.make_layer_stack(weights, dense[:-1], 1e-6, 4, capsule)
+    with pytest.raises(RuntimeError, match="dense: each layer must have 4 weights"):
+        fused.make_layer_stack(weights, [d[:3] for d in dense], 1e-6, 4, capsule)
+    with pytest.raises(RuntimeError, match="prompt_rows, other_rows: 1-d int64 row indices that split the 1 rows"):
+        fused.decoder_layers(model.one_call_stack, 0, num_layers, hidden, cos, sin_signed, cache.kv, meta.write_slots,
+                             meta.write_positions, meta.slot_index, meta.seq_starts, meta.cu_num_new,
+                             torch.tensor([0]), torch.tensor([0]))
 
 
 def _foreign_capsule():  # a capsule of another name: the layer must not call through its pointer

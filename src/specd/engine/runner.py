@@ -78,7 +78,8 @@ class ModelRunner:
             if logit_rows[-1]:
                 sampled.append(index)
         starts = [work.seq.num_computed for work in scheduled]
-        batch = ForwardBatch.build(new_tokens, [work.seq.slot or 0 for work in scheduled], starts, logit_rows)
+        batch = ForwardBatch.build(new_tokens, [work.seq.slot or 0 for work in scheduled], starts, logit_rows,
+                                   [work.is_prefill for work in scheduled])
         self.cache.reserve(max(start + len(tokens) for start, tokens in zip(starts, new_tokens)))
         if self.hidden_layers is None:
             logits, hidden = self.model(batch, self.cache), None  # [num_logit_rows, vocab_size]

@@ -54,6 +54,11 @@ def cpu_has_avx2() -> bool:
     return all(flag in _cpu_flags() for flag in _AVX2_FLAGS)
 
 
+def cpu_has_amx_bf16() -> bool:
+    """Whether this CPU has AMX tiles with bfloat16 dot products (oneDNN runs bfloat16 GEMMs on them)."""
+    return {"amx_bf16", "amx_tile"} <= _cpu_flags()
+
+
 def cpu_isa() -> str:
     """The best build of ISA_FLAGS this CPU runs: "avxvnni", "avx512vnni", "avx2" or "scalar"."""
     flags = _cpu_flags()

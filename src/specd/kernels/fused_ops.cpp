@@ -11,6 +11,10 @@
 //                   q4 GEMM (quant_gemm.cpp, called through the address its extension hands out) in the order
 //                   DecoderLayer._forward_fused calls them from Python, so the same bits without ~14 Python
 //                   calls per layer
+//   prompt_linear   prompt rows through a dense bfloat16 copy of a q4 weight (oneDNN: AMX tiles where the CPU has
+//                   them, ~10x less time per row than the q4 kernel there), in tiles of a fixed kPromptTile rows
+//                   so that a row's result never depends on how many rows share the call; decoder_layers sends a
+//                   step's prompt rows through it when the stack holds the dense copies
 //
 // The roundings to bfloat16 are where torch's composite rounds (a residual sum, SiLU's output, each rotary
 // product), so these ops agree with it up to float32 summation order; attention rounds less often than torch's
@@ -23,6 +27,7 @@
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/record_function.h>
 
 #include <algorithm>
@@ -553,12 +558,14 @@ constexpr size_t kLayerWeights = 14;
 // prepare_one_call_layers) so that a forward passes them as one object instead of 14 tensors per layer.
 struct LayerStack {
   std::vector<std::vector<torch::Tensor>> weights;  // [num_layers][kLayerWeights]
+  std::vector<std::vector<torch::Tensor>> dense;    // [num_layers][4]: qkv, o, gate_up, down for prompt rows; or empty
   double eps;
   int64_t num_heads;
   Q4Linear gemm;
 };
 
-LayerStack make_layer_stack(std::vector<std::vector<torch::Tensor>> weights, double eps, int64_t num_heads,
+LayerStack make_layer_stack(std::vector<std::vector<torch::Tensor>> weights,
+                            std::vector<std::vector<torch::Tensor>> dense, double eps, int64_t num_heads,
                             const py::capsule& q4_linear) {
   TORCH_CHECK(q4_linear.name() != nullptr && std::strcmp(q4_linear.name(), kQ4LinearCapsule) == 0,
               "q4_linear: must be the capsule of specd's q4_linear_capsule()");
@@ -566,9 +573,48 @@ LayerStack make_layer_stack(std::vector<std::vector<torch::Tensor>> weights, dou
     TORCH_CHECK(layer.size() == kLayerWeights, "weights: each layer must have ", kLayerWeights, " tensors, got ",
                 layer.size());
   }
+  TORCH_CHECK(dense.empty() || dense.size() == weights.size(), "dense: one entry per layer (", weights.size(),
+              ") or none, got ", dense.size());
+  for (const auto& layer : dense) {
+    TORCH_CHECK(layer.size() == 4, "dense: each layer must have 4 weights (qkv, o, gate_up, down), got ",
+                layer.size());
+  }
   TORCH_CHECK(num_heads > 0, "num_heads: must be positive, got ", num_heads);
-  return {std::move(weights), eps, num_heads, reinterpret_cast<Q4Linear>(q4_linear.get_pointer())};
+  return {std::move(weights), std::move(dense), eps, num_heads, reinterpret_cast<Q4Linear>(q4_linear.get_pointer())};
 }
+
+// The rows of one prompt_linear call: fixed, so that oneDNN picks the same blocking (and so the same summation
+// order) for every call, whatever the number of prompt rows. A shorter last tile is padded with zero rows.
+constexpr int64_t kPromptTile = 32;
+
+// y = x W^T for a dense bfloat16 weight: oneDNN's pre-blocked copy (mkldnn_pack; torch.ops.mkldnn._linear_pointwise)
+// or, where oneDNN has no bfloat16 support, the plain [out, in] tensor (at::linear).
+torch::Tensor dense_tile(const torch::Tensor& x, const torch::Tensor& weight) {
+  if (!weight.is_mkldnn()) return at::linear(x, weight);
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{x, weight, c10::IValue(), c10::IValue(std::string("none")),
+                          c10::IValue(c10::List<std::optional<at::Scalar>>()), c10::IValue(std::string())};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+torch::Tensor prompt_linear(const torch::Tensor& x, const torch::Tensor& weight) {
+  // x [rows, in] bfloat16 -> [rows, out] bfloat16, kPromptTile rows per GEMM call.
+  check_bf16(x, "x", 2);
+  const int64_t rows = x.size(0), padded = (rows + kPromptTile - 1) / kPromptTile * kPromptTile;
+  torch::Tensor input = x.contiguous();
+  if (padded != rows) input = at::constant_pad_nd(input, {0, 0, 0, padded - rows}, 0);
+  std::vector<torch::Tensor> tiles;
+  tiles.reserve(static_cast<size_t>(padded / kPromptTile));
+  for (int64_t r = 0; r < padded; r += kPromptTile) tiles.push_back(dense_tile(input.narrow(0, r, kPromptTile), weight));
+  return at::cat(tiles, 0).narrow(0, 0, rows);
+}
+
+// Which rows of a step are prompt rows (through the dense copies) and which are not (through the q4 GEMM).
+struct RowSplit {
+  torch::Tensor prompt, other;  // [n_prompt], [n_other] int64 row indices; prompt empty: every row takes the q4 GEMM
+};
 
 // One decoder layer: the steps and roundings of DecoderLayer._forward_fused, one by one. The sub-steps are named
 // for torch's profiler (bench/profile_step.py) as the Python path labels its calls; without a profiler a label
@@ -577,10 +623,25 @@ torch::Tensor run_layer(const LayerStack& stack, const std::vector<torch::Tensor
                         const torch::Tensor& cos, const torch::Tensor& sin_signed, torch::Tensor kv,
                         const torch::Tensor& write_slots, const torch::Tensor& write_positions,
                         const torch::Tensor& seq_slots, const torch::Tensor& seq_starts,
-                        const torch::Tensor& cu_num_new) {
-  const auto project = [&](const torch::Tensor& x, size_t first) {
+                        const torch::Tensor& cu_num_new, const std::vector<torch::Tensor>* dense,
+                        const RowSplit& split) {
+  const auto project = [&](const torch::Tensor& x, size_t first, size_t projection) {
+    if (dense == nullptr || split.prompt.numel() == 0) {
+      RECORD_FUNCTION("specd::q4_linear", std::vector<c10::IValue>());
+      return stack.gemm(x, w[first], w[first + 1], w[first + 2], false);
+    }
+    torch::Tensor prompt_out;  // [n_prompt, out]
+    {
+      RECORD_FUNCTION("specd::prompt_linear", std::vector<c10::IValue>());
+      prompt_out = prompt_linear(x.index_select(0, split.prompt), (*dense)[projection]);
+    }
+    if (split.other.numel() == 0) return prompt_out;  // every row is a prompt row, in order
+    torch::Tensor out = at::empty({x.size(0), prompt_out.size(1)}, x.options());
+    out.index_copy_(0, split.prompt, prompt_out);
     RECORD_FUNCTION("specd::q4_linear", std::vector<c10::IValue>());
-    return stack.gemm(x, w[first], w[first + 1], w[first + 2], false);
+    out.index_copy_(0, split.other, stack.gemm(x.index_select(0, split.other), w[first], w[first + 1], w[first + 2],
+                                               false));
+    return out;
   };
   check_bf16(kv, "kv", 5);
   const int64_t tokens = hidden.size(0), num_heads = stack.num_heads, num_kv_heads = kv.size(2);
@@ -590,7 +651,7 @@ torch::Tensor run_layer(const LayerStack& stack, const std::vector<torch::Tensor
     RECORD_FUNCTION("specd::rms_norm", std::vector<c10::IValue>());
     normed = rms_norm(hidden, w[0], stack.eps);
   }
-  const torch::Tensor qkv = project(normed, 1);  // [tokens, (num_heads + 2 * num_kv_heads) * head_dim]
+  const torch::Tensor qkv = project(normed, 1, 0);  // [tokens, (num_heads + 2 * num_kv_heads) * head_dim]
   TORCH_CHECK(qkv.size(1) == (num_heads + 2 * num_kv_heads) * head_dim, "weights: qkv has ", qkv.size(1),
               " outputs, not (", num_heads, " + 2 * ", num_kv_heads, ") * ", head_dim);
   const torch::Tensor heads = qkv.view({tokens, num_heads + 2 * num_kv_heads, head_dim});  // q, k, v heads
@@ -603,19 +664,19 @@ torch::Tensor run_layer(const LayerStack& stack, const std::vector<torch::Tensor
     RECORD_FUNCTION("specd::attention", std::vector<c10::IValue>());
     attn = attention(heads.narrow(1, 0, num_heads), kv, seq_slots, seq_starts, cu_num_new, 1.0);
   }
-  const torch::Tensor attn_out = project(attn, 4);  // [tokens, hidden_size]
+  const torch::Tensor attn_out = project(attn, 4, 1);  // [tokens, hidden_size]
   torch::Tensor residual, post_normed;  // [tokens, hidden_size] each
   {
     RECORD_FUNCTION("specd::add_rms_norm", std::vector<c10::IValue>());
     std::tie(residual, post_normed) = add_rms_norm(hidden, attn_out, w[7], stack.eps);
   }
-  const torch::Tensor gate_up = project(post_normed, 8);  // [tokens, 2 * intermediate_size]
+  const torch::Tensor gate_up = project(post_normed, 8, 2);  // [tokens, 2 * intermediate_size]
   torch::Tensor activated;  // [tokens, intermediate_size]
   {
     RECORD_FUNCTION("specd::silu_mul", std::vector<c10::IValue>());
     activated = silu_mul(gate_up);
   }
-  const torch::Tensor down = project(activated, 11);  // [tokens, hidden_size]
+  const torch::Tensor down = project(activated, 11, 3);  // [tokens, hidden_size]
   RECORD_FUNCTION("specd::residual_add", std::vector<c10::IValue>());
   return residual_add(residual, down);
 }
@@ -624,20 +685,30 @@ torch::Tensor decoder_layers(const LayerStack& stack, int64_t first, int64_t end
                              const torch::Tensor& cos, const torch::Tensor& sin_signed,
                              const std::vector<torch::Tensor>& kv, const torch::Tensor& write_slots,
                              const torch::Tensor& write_positions, const torch::Tensor& seq_slots,
-                             const torch::Tensor& seq_starts, const torch::Tensor& cu_num_new) {
+                             const torch::Tensor& seq_starts, const torch::Tensor& cu_num_new,
+                             const torch::Tensor& prompt_rows, const torch::Tensor& other_rows) {
   // Layers first .. end - 1 of the stack over hidden [tokens, hidden_size] bfloat16; returns the last one's output
   // [tokens, hidden_size]. cos, sin_signed: Rotary.tables, [tokens, num_heads + num_kv_heads, head_dim]. kv: the
   // cache's layers, layer i's [2, slots, num_kv_heads, capacity, head_dim] written at (write_slots[t],
-  // write_positions[t]). seq_slots, seq_starts, cu_num_new: as for attention.
+  // write_positions[t]). seq_slots, seq_starts, cu_num_new: as for attention. prompt_rows, other_rows: int64 row
+  // indices, together every row once (prompt_rows empty: all rows take the q4 GEMM); with the stack's dense copies,
+  // the projections of prompt rows run prompt_linear.
   check_bf16(hidden_in, "hidden", 2);
   const int64_t num_layers = static_cast<int64_t>(stack.weights.size());
   TORCH_CHECK(0 <= first && first <= end && end <= num_layers, "first, end: must satisfy 0 <= first <= end <= ",
               num_layers, ", got ", first, ", ", end);
   TORCH_CHECK(end <= static_cast<int64_t>(kv.size()), "kv: the cache has ", kv.size(), " layers, not ", end);
+  TORCH_CHECK(prompt_rows.scalar_type() == at::kLong && other_rows.scalar_type() == at::kLong &&
+              prompt_rows.dim() == 1 && other_rows.dim() == 1 &&
+              (prompt_rows.numel() == 0 || prompt_rows.numel() + other_rows.numel() == hidden_in.size(0)),
+              "prompt_rows, other_rows: 1-d int64 row indices that split the ", hidden_in.size(0), " rows, got ",
+              prompt_rows.numel(), " and ", other_rows.numel());
+  const RowSplit split{prompt_rows, other_rows};
   torch::Tensor hidden = hidden_in.contiguous();
   for (int64_t i = first; i < end; ++i) {
+    const std::vector<torch::Tensor>* dense = stack.dense.empty() ? nullptr : &stack.dense[static_cast<size_t>(i)];
     hidden = run_layer(stack, stack.weights[i], hidden, cos, sin_signed, kv[i], write_slots, write_positions,
-                       seq_slots, seq_starts, cu_num_new);
+                       seq_slots, seq_starts, cu_num_new, dense, split);
   }
   return hidden;
 }
@@ -659,10 +730,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("scale"));
   py::class_<LayerStack>(m, "LayerStack", "a model's int4 decoder layers' weights and their GEMM, for decoder_layers");
   m.def("make_layer_stack", &make_layer_stack, "gather the decoder layers' weights once", py::arg("weights"),
-        py::arg("eps"), py::arg("num_heads"), py::arg("q4_linear"));
+        py::arg("dense"), py::arg("eps"), py::arg("num_heads"), py::arg("q4_linear"));
+  m.def("prompt_linear", &prompt_linear, "prompt rows through a dense bfloat16 weight, in fixed tiles of rows",
+        py::arg("x"), py::arg("weight"));
+  m.attr("PROMPT_TILE") = kPromptTile;
   m.def("decoder_layers", &decoder_layers, "int4 decoder layers first .. end - 1: norms, q4 GEMMs, rotary + KV "
         "write, attention, each as DecoderLayer._forward_fused", py::arg("stack"), py::arg("first"), py::arg("end"),
         py::arg("hidden"), py::arg("cos"), py::arg("sin_signed"), py::arg("kv"), py::arg("write_slots"),
-        py::arg("write_positions"), py::arg("seq_slots"), py::arg("seq_starts"), py::arg("cu_num_new"));
+        py::arg("write_positions"), py::arg("seq_slots"), py::arg("seq_starts"), py::arg("cu_num_new"),
+        py::arg("prompt_rows"), py::arg("other_rows"));
   m.def("has_avx2", &has_avx2, "whether this build uses the AVX2 loops");
 }

@@ -9,7 +9,7 @@ layers.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 
 import torch
@@ -24,6 +24,8 @@ class ForwardBatch:
 
     token_ids / positions: [num_tokens] int64. slot_ids, start_positions, num_new_tokens: one entry per
     sequence. logits_indices: [num_logit_rows] indices into the flat tokens whose logits are wanted.
+    prompt_rows: [num_prompt_rows] int64, the flat rows that are prompt tokens (a prefill chunk), ascending; an
+    int4 model may run them through other weights than the rest (LlamaForCausalLM.set_dense_prompt_rows).
     """
 
     token_ids: torch.Tensor
@@ -32,6 +34,7 @@ class ForwardBatch:
     start_positions: Sequence[int]
     num_new_tokens: Sequence[int]
     logits_indices: torch.Tensor
+    prompt_rows: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
 
     @staticmethod
     def build(
@@ -39,16 +42,22 @@ class ForwardBatch:
         slot_ids: Sequence[int],
         start_positions: Sequence[int],
         logits_rows: Sequence[Sequence[int]],
+        is_prompt: Sequence[bool] | None = None,
     ) -> ForwardBatch:
-        """logits_rows[i] are offsets within sequence i's new tokens whose logits are wanted."""
+        """logits_rows[i] are offsets within sequence i's new tokens whose logits are wanted; is_prompt[i]: whether
+        sequence i's new tokens are a prompt chunk (None: none are)."""
         flat: list[int] = []
         positions: list[int] = []
         logit_idx: list[int] = []
-        for toks, start, rows in zip(new_token_ids, start_positions, logits_rows, strict=True):
+        prompt_idx: list[int] = []
+        prompts = [False] * len(new_token_ids) if is_prompt is None else is_prompt
+        for toks, start, rows, prompt in zip(new_token_ids, start_positions, logits_rows, prompts, strict=True):
             base = len(flat)
             flat.extend(toks)
             positions.extend(range(start, start + len(toks)))
             logit_idx.extend(base + r for r in rows)
+            if prompt:
+                prompt_idx.extend(range(base, base + len(toks)))
         return ForwardBatch(
             token_ids=torch.tensor(flat, dtype=torch.long),
             positions=torch.tensor(positions, dtype=torch.long),
@@ -56,6 +65,7 @@ class ForwardBatch:
             start_positions=list(start_positions),
             num_new_tokens=[len(t) for t in new_token_ids],
             logits_indices=torch.tensor(logit_idx, dtype=torch.long),
+            prompt_rows=torch.tensor(prompt_idx, dtype=torch.long),
         )
 
 

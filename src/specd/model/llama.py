@@ -10,6 +10,7 @@ first N layers plus the final norm and LM head (self-speculation) with the same 
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from types import ModuleType
 from typing import NamedTuple
@@ -27,6 +28,32 @@ from specd.model.config import ModelArchConfig, RopeScaling
 from specd.model.kv_cache import KVCache
 
 INT4_GROUP = 32
+PROMPT_ENV_VAR = "SPECD_INT4_PROMPT"
+_NO_ROWS = torch.empty(0, dtype=torch.long)
+
+
+class RowSplit(NamedTuple):
+    """A forward's rows by kind, for an int4 model with dense prompt weights (LlamaForCausalLM.set_dense_prompt_rows):
+    prompt rows take the dense bfloat16 copies, the others the q4 kernel. Together every row once."""
+
+    prompt: torch.Tensor  # [num_prompt_rows] int64, ascending
+    other: torch.Tensor  # [num_other_rows] int64, ascending
+
+
+def dense_prompt_rows() -> bool:
+    """Whether an int4 model should run prompt rows through dense bfloat16 copies of its projections, as
+    SPECD_INT4_PROMPT says: `bf16` yes, `q4` no, unset or `auto` where the CPU has AMX-BF16. There oneDNN's tiles
+    make a prompt row ~10x cheaper than the q4 kernel (0.6-3 us against 9-30 us per row and projection at 32 rows,
+    docs/benchmarks.md); without AMX the q4 kernel is as fast or faster and the copies (four times the int4 bytes)
+    would buy nothing."""
+    setting = os.environ.get(PROMPT_ENV_VAR, "").strip().lower()
+    if setting in ("", "auto"):
+        return kernels.cpu_has_amx_bf16()
+    if setting in ("bf16", "bfloat16"):
+        return True
+    if setting == "q4":
+        return False
+    raise ModelLoadError(f"{PROMPT_ENV_VAR}: {setting!r} is not auto, bf16 or q4")
 
 
 def quantize_int4(
@@ -79,6 +106,29 @@ def mkldnn_pack(weight: torch.Tensor) -> torch.Tensor | None:  # [out, in] -> op
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)
 
 
+PROMPT_TILE = 32  # rows per dense GEMM call of prompt_linear (fused_ops.cpp's kPromptTile)
+
+
+def prompt_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:  # [rows, in] bf16 -> [rows, out] bf16
+    """Prompt rows through a dense bfloat16 weight (Linear.prompt_weight) in calls of exactly PROMPT_TILE rows, the
+    last padded with zeros: oneDNN's result for a row depends on the call's row count (measured: a 576x1536 GEMM
+    gives other bits at 32 rows than at 256), never on the other rows' values or the row's place in the call, so
+    fixed-size calls make a prompt row's result independent of how the scheduler chunked and batched its prompt --
+    which greedy speculation needs to stay token-identical to plain decoding. fused_ops' prompt_linear where the
+    fused ops are built (the one-call layers use it), the same calls from torch otherwise."""
+    ops = fused_kernels.fused_ops()
+    if ops is not None:
+        return ops.prompt_linear(x, weight)
+    rows = x.shape[0]
+    padded = -(-rows // PROMPT_TILE) * PROMPT_TILE
+    tiles = F.pad(x, (0, 0, 0, padded - rows)).split(PROMPT_TILE)
+    if weight.is_mkldnn:
+        out = [torch.ops.mkldnn._linear_pointwise(t, weight, None, "none", [], "") for t in tiles]
+    else:
+        out = [F.linear(t, weight) for t in tiles]
+    return torch.cat(out)[:rows]
+
+
 class Linear(nn.Module):
     """y = x W^T + b, with W stored [out, in] as in Hugging Face checkpoints until `pack()`.
 
@@ -107,6 +157,8 @@ class Linear(nn.Module):
         self.int8: tuple[torch.Tensor, torch.Tensor] | None = None
         self.q4: Q4Weight | None = None
         self.q8: Q8Weight | None = None
+        # a dense bfloat16 copy of the q4 weight for prompt rows (oneDNN's blocked layout where it has one)
+        self.prompt_weight: torch.Tensor | None = None
 
     @classmethod
     def sharing(cls, weight: nn.Parameter) -> Linear:
@@ -114,8 +166,19 @@ class Linear(nn.Module):
         linear = cls.__new__(cls)
         nn.Module.__init__(linear)
         linear.weight, linear.bias, linear.packed, linear.int4, linear.int8 = weight, None, None, None, None
-        linear.q4, linear.q8 = None, None
+        linear.q4, linear.q8, linear.prompt_weight = None, None, None
         return linear
+
+    def set_prompt_weight(self, enabled: bool) -> None:
+        """Keep (or drop) a dense bfloat16 copy of the q4 weight, the dequantized codes rounded once, for prompt
+        rows (`forward` with a RowSplit). No-op without a q4 weight."""
+        if not enabled or self.q4 is None:
+            self.prompt_weight = None
+            return
+        dense = self.q4.dequantize().to(torch.bfloat16).contiguous()  # [out, in]
+        self.prompt_weight = mkldnn_pack(dense)
+        if self.prompt_weight is None:
+            self.prompt_weight = dense
 
     def add_int4(self) -> None:
         """Quantize the current (ideally float32) weight into the int4 copy, which replaces it; its scales are
@@ -161,7 +224,18 @@ class Linear(nn.Module):
         assert self.packed is not None
         return self.packed.to_dense()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, in] -> [num_tokens, out]
+    def forward(self, x: torch.Tensor, rows: RowSplit | None = None) -> torch.Tensor:  # [tokens, in] -> [tokens, out]
+        """rows: with a prompt weight, its prompt rows take the dense copy (prompt_linear), the rest the q4 kernel."""
+        if rows is not None and self.prompt_weight is not None and rows.prompt.numel():
+            prompt_out = prompt_linear(x.index_select(0, rows.prompt), self.prompt_weight)  # [num_prompt, out]
+            if self.bias is not None:
+                prompt_out = prompt_out + self.bias
+            if not rows.other.numel():
+                return prompt_out
+            out = x.new_empty(x.shape[0], prompt_out.shape[1])
+            out.index_copy_(0, rows.prompt, prompt_out)
+            out.index_copy_(0, rows.other, self.forward(x.index_select(0, rows.other)))
+            return out
         if self.q4 is not None or self.q8 is not None:
             native = kernels.native()
             assert native is not None  # q4/q8 are only made when it is
@@ -296,12 +370,13 @@ class DecoderLayer(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],  # Rotary.tables: [num_tokens, num_heads + num_kv_heads, head_dim]
         cache: KVCache,
         meta: AttentionMetadata,
+        rows: RowSplit | None = None,  # prompt rows vs the rest, for dense prompt weights (Linear.forward)
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
         fused = fused_kernels.for_dtype(hidden.dtype)
         if fused is not None:
-            return self._forward_fused(fused, hidden, rope, cache, meta)
+            return self._forward_fused(fused, hidden, rope, cache, meta, rows)
         num_tokens, num_qk_heads = hidden.shape[0], self.num_heads + self.num_kv_heads
-        qkv = self.qkv_proj(self.input_layernorm(hidden))  # [num_tokens, q_size + 2 * kv_size]
+        qkv = self.qkv_proj(self.input_layernorm(hidden), rows)  # [num_tokens, q_size + 2 * kv_size]
         heads = qkv.view(num_tokens, num_qk_heads + self.num_kv_heads, self.head_dim)  # q heads, k heads, v heads
         qk = heads[:, :num_qk_heads]
         if self.q_norm is not None and self.k_norm is not None:
@@ -312,9 +387,9 @@ class DecoderLayer(nn.Module):
         write_kv(heads[:, self.num_heads :].view(num_tokens, 2, self.num_kv_heads, self.head_dim),
                  cache, self.index, meta)
         attn = attend(heads[:, : self.num_heads], cache, self.index, meta, scale=1.0)  # [num_tokens, q_size]
-        hidden = hidden + self.o_proj(attn)
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(hidden)).chunk(2, dim=-1)
-        return hidden + self.down_proj(F.silu(gate) * up)
+        hidden = hidden + self.o_proj(attn, rows)
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(hidden), rows).chunk(2, dim=-1)
+        return hidden + self.down_proj(F.silu(gate) * up, rows)
 
     def _forward_fused(
         self,
@@ -323,13 +398,14 @@ class DecoderLayer(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         cache: KVCache,
         meta: AttentionMetadata,
+        rows: RowSplit | None = None,
     ) -> torch.Tensor:  # [num_tokens, hidden_size]
         """`forward` in six native calls besides the four GEMMs: norm; rotary + KV write; attention; residual
         add + norm; SiLU x up; and the last residual add (torch's). Same roundings as the torch path.
         fused_ops' `decoder_layers` runs these same steps in C++ (LlamaForCausalLM.prepare_one_call_layers)."""
         num_tokens, num_qk_heads = hidden.shape[0], self.num_heads + self.num_kv_heads
         eps = self.input_layernorm.eps
-        qkv = self.qkv_proj(fused.rms_norm(hidden, self.input_layernorm.weight, eps))
+        qkv = self.qkv_proj(fused.rms_norm(hidden, self.input_layernorm.weight, eps), rows)
         heads = qkv.view(num_tokens, num_qk_heads + self.num_kv_heads, self.head_dim)  # q heads, k heads, v heads
         if self.q_norm is not None and self.k_norm is not None:
             qk = heads[:, :num_qk_heads]
@@ -337,8 +413,8 @@ class DecoderLayer(nn.Module):
                                                  self.k_norm(qk[:, self.num_heads :])], dim=1)
         fused.rope_write_kv(heads, rope[0], rope[1], cache.kv[self.index], meta.write_slots, meta.write_positions)
         attn = attend(heads[:, : self.num_heads], cache, self.index, meta, scale=1.0, fused=fused)
-        hidden, normed = fused.add_rms_norm(hidden, self.o_proj(attn), self.post_attention_layernorm.weight, eps)
-        return hidden + self.down_proj(fused.silu_mul(self.gate_up_proj(normed)))
+        hidden, normed = fused.add_rms_norm(hidden, self.o_proj(attn, rows), self.post_attention_layernorm.weight, eps)
+        return hidden + self.down_proj(fused.silu_mul(self.gate_up_proj(normed, rows)), rows)
 
 
 class ForwardOutput(NamedTuple):
@@ -364,6 +440,8 @@ class LlamaForCausalLM(nn.Module):
         self.tied_head: Linear | None = None  # the tied LM head over the embedding table, made by pack()
         # fused_ops' LayerStack of every decoder layer (prepare_one_call_layers); None: the layers run op by op
         self.one_call_stack: object | None = None
+        # prompt rows through dense bfloat16 copies of the q4 projections (set_dense_prompt_rows)
+        self.dense_prompt_rows = False
 
     def pack(self) -> None:
         """Lay weights out for fast small-M matmuls on CPU (see Linear.pack). Call after loading and casting.
@@ -395,9 +473,37 @@ class LlamaForCausalLM(nn.Module):
         weights = [layer.one_call_weights() for layer in self.layers]
         if not weights or any(w is None for w in weights):
             return 0
-        self.one_call_stack = fused.make_layer_stack(weights, self.config.rms_norm_eps, self.config.num_heads,
+        projections = [(layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj) for layer in self.layers]
+        dense = [[p.prompt_weight for p in layer] for layer in projections]
+        self.one_call_stack = fused.make_layer_stack(weights, dense if self.dense_prompt_rows else [],
+                                                     self.config.rms_norm_eps, self.config.num_heads,
                                                      native.q4_linear_capsule())
         return len(weights)
+
+    def set_dense_prompt_rows(self, enabled: bool) -> bool:
+        """Give every q4 projection of the decoder layers a dense bfloat16 copy for prompt rows (enabled), or drop
+        them. A forward then sends the rows ForwardBatch.prompt_rows names through the copies (prompt_linear) and
+        the rest (decode and verification rows) through the q4 kernel, in the one-call layers and op by op alike.
+        A prompt row's result depends only on its own inputs either way, so greedy speculation stays
+        token-identical to plain decoding; the prompt's KV differs from the q4 kernel's by bfloat16 rounding.
+        Only when every projection is q4 (an int4 model on specd's kernels); returns whether it is on."""
+        projections = [p for layer in self.layers for p in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj,
+                                                              layer.down_proj)]
+        on = enabled and bool(projections) and all(p.q4 is not None for p in projections)
+        for projection in projections:
+            projection.set_prompt_weight(on)
+        self.dense_prompt_rows = on
+        if self.one_call_stack is not None:
+            self.prepare_one_call_layers()
+        return on
+
+    def _row_split(self, batch: ForwardBatch) -> RowSplit | None:
+        """The batch's prompt rows and the rest, when the model has dense prompt weights and the batch prompt rows."""
+        if not batch.prompt_rows.numel() or not self.dense_prompt_rows:
+            return None
+        is_other = torch.ones(batch.token_ids.shape[0], dtype=torch.bool)
+        is_other[batch.prompt_rows] = False
+        return RowSplit(batch.prompt_rows, is_other.nonzero().flatten())
 
     @property
     def dtype(self) -> torch.dtype:
@@ -454,17 +560,19 @@ class LlamaForCausalLM(nn.Module):
             if not -1 <= i < len(layers):
                 raise ValueError(f"hidden_layers: {i} is not -1 or a layer index below {len(layers)}")
         captured: dict[int, torch.Tensor] = {}
+        rows = self._row_split(batch)
         if fused is not None and self.one_call_stack is not None:
             # natively, in runs that end at each captured layer
             first = 0
+            prompt_rows, other_rows = rows if rows is not None else (_NO_ROWS, _NO_ROWS)
             for end in sorted({i + 1 for i in wanted if i >= 0} | {len(layers)}):
                 hidden = fused.decoder_layers(self.one_call_stack, first, end, hidden, rope[0], rope[1], cache.kv,
                                               meta.write_slots, meta.write_positions, meta.slot_index,
-                                              meta.seq_starts, meta.cu_num_new)
+                                              meta.seq_starts, meta.cu_num_new, prompt_rows, other_rows)
                 captured[end - 1], first = hidden, end
         else:
             for i, layer in enumerate(layers):
-                hidden = layer(hidden, rope, cache, meta)
+                hidden = layer(hidden, rope, cache, meta, rows)
                 if i in wanted:
                     captured[i] = hidden
         features: torch.Tensor | None = None
@@ -541,7 +649,9 @@ def build_model(
     int4: the decoder layers' projections are replaced by int4 copies, quantized from the weights before the
     cast (a Q4_1 GGUF's 4-bit codes are recovered exactly; group scales are kept in bfloat16, like the
     activations, which the int4 kernel requires), and the LM head gets an int8 copy (per-row scales): in
-    bfloat16 the head alone was as many bytes per decode step as all int4 layers together.
+    bfloat16 the head alone was as many bytes per decode step as all int4 layers together. Where
+    `dense_prompt_rows()` says so (AMX CPUs, or SPECD_INT4_PROMPT=bf16), prompt rows run through dense bfloat16
+    copies of the projections (LlamaForCausalLM.set_dense_prompt_rows).
     """
     if int4 and dtype != torch.bfloat16:
         raise ModelLoadError("dtype: int4 weights run with bfloat16 activations")
@@ -562,5 +672,7 @@ def build_model(
             head = model.tied_head = Linear.sharing(model.embed_tokens.weight)
         head.add_int8()
     model = model.to(dtype).eval()
+    if int4 and dense_prompt_rows():
+        model.set_dense_prompt_rows(True)
     model.pack()
     return model
