@@ -254,3 +254,27 @@ def test_values_of_many_sequences_match_one_at_a_time() -> None:
     assert many == [policy.acceptance.values(seq_id, -1, n) for seq_id, n in [(1, 6), (2, 6), (3, 2)]]
     assert many[0][0] > many[2][0] > many[1][0]  # own counts, shrunk towards the engine-wide value
     assert policy.acceptance.prob(2, -1, 5) == pytest.approx(many[1][5] / many[1][4])
+
+
+def test_steps_with_prompt_chunks_do_not_teach_the_price_of_a_draft_row() -> None:
+    """A prompt row can cost a fraction of a verified row (an int4 model's dense prompt rows on AMX): steps that carried
+    prompt chunks would make rows look cheap, and the policy would draft past saturation."""
+    policy = _policy(range(16))
+    _teach_cost(policy, compute_bound, [1, 2, 4, 8, 16])
+    for seq_id in range(16):
+        _teach_acceptance(policy, seq_id, 0.6)
+    assert policy.plan(list(range(16)), _load(16)) == [0] * 16
+    for _ in range(20):  # prefill steps: hundreds of rows at a twentieth of a verified row's cost each
+        for rows in (100, 200, 300):
+            policy.observe(StepReport([DraftOutcome(i, 0, 0, 0) for i in range(16)], 16 + rows, 0.0,
+                                      compute_bound(16, 16) + 0.0002 * rows, 16, False, num_seqs=17))
+    assert policy.plan(list(range(16)), _load(16)) == [0] * 16
+    # keep prices the drafts of a step with a prompt chunk as the same drafts in a decode step
+    drafts = [DraftSpan(i, 4, 0) for i in range(16)]
+    with_chunk = policy.keep(drafts, StepView(17, 16 + 64 + 100, BUDGET, False))
+    assert with_chunk == policy.keep(drafts, StepView(17, 17 + 64, BUDGET, True)) == [0] * 16
+    cheap = _policy(range(16))
+    _teach_cost(cheap, weight_bound, [1, 2, 4, 8, 16, 17])
+    for seq_id in range(16):
+        _teach_acceptance(cheap, seq_id, 0.6)
+    assert min(cheap.keep(drafts, StepView(17, 16 + 64 + 100, BUDGET, False))) >= 3  # rows that pay are kept

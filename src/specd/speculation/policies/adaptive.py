@@ -22,8 +22,10 @@ arriving; when the load leaves, the cells measured at small S price drafts cheap
 
 Where it decides: `plan` chooses k_i before drafting, so a model-based proposer drafts no more than pays, into
 the rows the step's prompt chunks leave free in the budget; `keep`
-re-decides after drafting with the step as formed (prompt chunks included) and the draft's bucket (ngram: its
-match length), counting drafting as already paid, so it can only cut. Acceptance is counted per (bucket,
+re-decides after drafting with the step as formed (its prompt chunks' rows taken from the room) and the draft's
+bucket (ngram: its match length), counting drafting as already paid, so it can only cut. The step cost is learnt
+from decode and verification steps only: a prompt row can cost far less than a verified row (dense prompt rows of
+an int4 model on AMX), so steps with prompt chunks would underprice drafts. Acceptance is counted per (bucket,
 position), engine-wide and per sequence (shrunk towards the engine-wide value, so a sequence that copies well
 earns long drafts and one that does not is cut), with a bucket-blind count for `plan`; one policy instance
 serves one engine, so the estimates are also per proposer. A sequence that drafted nothing for the probe interval
@@ -256,13 +258,20 @@ class AdaptiveK(KPolicy):
             return []
         lengths = [d.num_tokens for d in drafts]
         values = [self.acceptance.values(d.seq_id, min(d.bucket, _MAX_BUCKET), d.num_tokens) for d in drafts]
-        base_rows = step.num_new_tokens - sum(lengths)
-        decision = choose(values, step.num_seqs, base_rows, step.max_num_batched_tokens, self.forward, 0.0)
+        # As in `plan`, drafts are priced as rows of a decode step of the step's sequences (one row each), in the
+        # room its other tokens (prompt chunks included) leave in the budget.
+        room = step.max_num_batched_tokens - (step.num_new_tokens - sum(lengths))
+        decision = choose(values, step.num_seqs, step.num_seqs, step.num_seqs + room, self.forward, 0.0)
         return [max(k, 1 if self._probing(d.seq_id) and n else 0) for k, d, n in zip(decision.k, drafts, lengths)]
 
     def observe(self, report: StepReport) -> None:
         num_seqs = report.num_seqs or len(report.outcomes)
-        self.forward.observe(num_seqs, report.num_new_tokens, report.step_s - report.propose_s)
+        if report.decode_only:
+            # Drafts are priced as decode rows, so only decode (and verification) steps teach the cost: a prompt row
+            # may cost far less than a verified one (an int4 model on an AMX CPU prefills through dense bfloat16
+            # copies at ~1/4 of a q4 row), and steps that carried prompt chunks made draft rows look cheap -- the
+            # int4 grid lost 14-21 % of off's throughput past saturation that way.
+            self.forward.observe(num_seqs, report.num_new_tokens, report.step_s - report.propose_s)
         drafted = [o.num_drafted for o in report.outcomes if o.num_drafted > 0]
         if drafted:
             self.draft.observe(len(drafted), max(drafted), report.propose_s)
