@@ -55,8 +55,26 @@ def _prefill(model: LlamaForCausalLM, chunks: list[int], neighbours: bool):
     return logits[0], torch.stack([kv[:, slots[0], :, : len(PROMPT)] for kv in cache.kv])
 
 
+@pytest.fixture(params=["blocked", "plain"])
+def layout(request, model):
+    """The dense copies as made (oneDNN's blocked layout where it has bfloat16 support), or as plain [out, in]
+    tensors: what a CPU without oneDNN bfloat16 gets (at::linear / F.linear then)."""
+    if request.param == "blocked":
+        yield request.param
+        return
+    projections = [p for layer in model.layers for p in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj,
+                                                          layer.down_proj)]
+    for projection in projections:
+        projection.prompt_weight = projection.q4.dequantize().to(torch.bfloat16).contiguous()
+    model.prepare_one_call_layers()
+    try:
+        yield request.param
+    finally:
+        model.set_dense_prompt_rows(True)
+
+
 @pytest.mark.parametrize("one_call", [True, False])
-def test_a_prompt_row_does_not_depend_on_its_chunking_or_its_neighbours(model, one_call):
+def test_a_prompt_row_does_not_depend_on_its_chunking_or_its_neighbours(model, one_call, layout):
     assert model.prepare_one_call_layers(one_call) == (len(model.layers) if one_call else 0)
     try:
         alone = _prefill(model, [len(PROMPT)], neighbours=False)
