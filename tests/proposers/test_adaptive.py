@@ -278,3 +278,19 @@ def test_steps_with_prompt_chunks_do_not_teach_the_price_of_a_draft_row() -> Non
     for seq_id in range(16):
         _teach_acceptance(cheap, seq_id, 0.6)
     assert min(cheap.keep(drafts, StepView(17, 16 + 64 + 100, BUDGET, False))) >= 3  # rows that pay are kept
+
+
+def test_a_lone_sequence_leaves_exploration() -> None:
+    """One client, closed loop: every step has one sequence, and only decode steps teach the cost. With one fixed
+    explore k its steps had two row counts, too few for a fit, and the policy explored (k = 1) forever."""
+    policy = _policy([1])
+    for seq_id in (1,):
+        _teach_acceptance(policy, seq_id, 0.8)
+    causes = []
+    for _ in range(8):
+        k = policy.plan([1], _load(1))[0]
+        causes.append(policy.last_decision.cause)
+        rows = 1 + k
+        policy.observe(StepReport([DraftOutcome(1, 0, 0, 0)], rows, 0.0, weight_bound(1, rows), 1, True, num_seqs=1))
+    assert causes[0] == "explore" and causes[-1] == "draft"
+    assert policy.plan([1], _load(1))[0] >= 4  # rows nearly free and 0.8 acceptance: long drafts

@@ -157,13 +157,16 @@ def choose(
 ) -> Decision:
     """The k_i (k_i <= len(values[i])) that maximise expected emitted tokens per second for a step of num_seqs
     sequences and base_rows new tokens besides these drafts, at most max_rows new tokens in all.
-    draft_per_position: seconds one more draft position adds (0: drafts are made or free)."""
+    draft_per_position: seconds one more draft position adds (0: drafts are made or free). While the cost is
+    unknown, each sequence drafts EXPLORE_K tokens plus one for every observed step modulo 3: a lone sequence's
+    steps then cover three row counts, which the cost fit needs (with one fixed k it would see two, forever)."""
     longest = max((len(row) for row in values), default=0)
     cost = forward.at(num_seqs, base_rows + sum(len(row) for row in values) // 2)
     if cost is None:
         room, explore = max(0, max_rows - base_rows), []
+        explore_k = EXPLORE_K + forward.num_observed % 3
         for row in values:
-            explore.append(min(len(row), EXPLORE_K, room))
+            explore.append(min(len(row), explore_k, room))
             room -= explore[-1]
         return Decision(explore, "explore", None, None)
     plain_seconds = max(cost.seconds - cost.seconds_per_row * (sum(len(row) for row in values) // 2), 1e-9)

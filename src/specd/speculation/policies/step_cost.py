@@ -87,6 +87,11 @@ class ForwardCost:
         self._fits: dict[tuple[int, int], tuple[int, LocalCost | None]] = {}  # (S, R) -> (when fitted, fit)
 
     @property
+    def num_observed(self) -> int:
+        """Steps observed so far (the valid ones)."""
+        return self._num_observed
+
+    @property
     def num_cells(self) -> int:
         return len(self._cells)
 
