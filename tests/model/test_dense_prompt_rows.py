@@ -62,8 +62,7 @@ def layout(request, model):
     if request.param == "blocked":
         yield request.param
         return
-    projections = [p for layer in model.layers for p in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj,
-                                                          layer.down_proj)]
+    projections = [p for layer in model.layers for p in layer.projections]
     for projection in projections:
         projection.prompt_weight = projection.q4.dequantize().to(torch.bfloat16).contiguous()
     model.prepare_one_call_layers()

@@ -350,10 +350,15 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
+    @property
+    def projections(self) -> tuple[Linear, Linear, Linear, Linear]:
+        """qkv, o, gate_up, down: the order fused_ops' LayerStack keeps them in."""
+        return self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj
+
     def one_call_weights(self) -> list[torch.Tensor] | None:
         """The tensors fused_ops' `decoder_layers` reads for this layer, when it can run it: all four projections
         are specd's q4 blocks, no biases, no q/k norms. None: the layer runs op by op."""
-        projections = (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
+        projections = self.projections
         if self.q_norm is not None or any(p.q4 is None or p.bias is not None for p in projections):
             return None
         weights = [self.input_layernorm.weight]
@@ -473,8 +478,7 @@ class LlamaForCausalLM(nn.Module):
         weights = [layer.one_call_weights() for layer in self.layers]
         if not weights or any(w is None for w in weights):
             return 0
-        projections = [(layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj) for layer in self.layers]
-        dense = [[p.prompt_weight for p in layer] for layer in projections]
+        dense = [[p.prompt_weight for p in layer.projections] for layer in self.layers]
         self.one_call_stack = fused.make_layer_stack(weights, dense if self.dense_prompt_rows else [],
                                                      self.config.rms_norm_eps, self.config.num_heads,
                                                      native.q4_linear_capsule())
@@ -487,8 +491,7 @@ class LlamaForCausalLM(nn.Module):
         A prompt row's result depends only on its own inputs either way, so greedy speculation stays
         token-identical to plain decoding; the prompt's KV differs from the q4 kernel's by bfloat16 rounding.
         Only when every projection is q4 (an int4 model on specd's kernels); returns whether it is on."""
-        projections = [p for layer in self.layers for p in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj,
-                                                              layer.down_proj)]
+        projections = [p for layer in self.layers for p in layer.projections]
         on = enabled and bool(projections) and all(p.q4 is not None for p in projections)
         for projection in projections:
             projection.set_prompt_weight(on)
