@@ -564,3 +564,50 @@ def test_adaptive_decides_k_before_a_model_proposer_drafts_and_stays_lossless(ma
         assert estimates["zero_k_sequence_steps"]["cost"] > 0
     else:
         assert asked and max(asked) == 4 and estimates["last_cause"] == "draft"
+
+
+class OracleProposer(Proposer):
+    """Proposes the plain greedy continuation itself (every draft would be accepted), or a wrong token at each
+    position when `wrong` (none would)."""
+
+    def __init__(self, continuations: dict[tuple[int, ...], list[int]], wrong: bool) -> None:
+        self.continuations = continuations
+        self.wrong = wrong
+
+    def propose(self, seqs, num_draft_tokens):
+        drafts = []
+        for seq, k in zip(seqs, num_draft_tokens, strict=True):
+            prompt = tuple(seq.token_ids[: seq.num_prompt_tokens])
+            done = len(seq.token_ids) - seq.num_prompt_tokens
+            draft = self.continuations[prompt][done : done + k]
+            drafts.append([(t + 1) % 320 for t in draft] if self.wrong else draft)
+        return Proposal(drafts, None)
+
+    def release(self, seq_id):
+        pass
+
+
+@pytest.mark.parametrize("wrong", [False, True])
+def test_a_cut_draft_reports_whether_its_next_token_matched_and_the_metrics_ignore_it(make_llm, monkeypatch,
+                                                                                     tokenizer, wrong):
+    # Each draft is cut to half: where every kept token was accepted, the step's own next token is compared with
+    # the cut one (greedy: equal exactly when verifying it would have accepted it). The metrics count only what
+    # was verified.
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True)
+    plain = _plain(make_llm, PROMPTS[:3], params)
+    prompts = [tuple(tokenizer.encode(p)) for p in PROMPTS[:3]]
+    llm = make_llm(_spec("ngram", 4, "fixed"), proposer=OracleProposer(dict(zip(prompts, plain)), wrong),
+                   max_num_seqs=4)
+    policy = llm.engine.speculator.k_policies["fixed"]
+    monkeypatch.setattr(policy, "keep", lambda drafts, step: [d.num_tokens // 2 for d in drafts])
+    reports = []
+    observe = llm.engine.speculator.observe
+    monkeypatch.setattr(llm.engine.speculator, "observe", lambda report: (reports.append(report), observe(report)))
+    assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:3], params)] == plain
+    outcomes = [o for r in reports for o in r.outcomes]
+    seen = [o for o in outcomes if o.next_matched is not None]
+    assert seen and all(o.num_accepted == o.num_drafted for o in seen)
+    assert {o.next_matched for o in seen} == {not wrong}
+    counters = llm.get_metrics()["counters"]
+    assert counters["draft_tokens"] == sum(o.num_drafted for o in outcomes)
+    assert counters["accepted_tokens"] == sum(o.num_accepted for o in outcomes)

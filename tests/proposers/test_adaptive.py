@@ -62,15 +62,26 @@ def _policy(seq_ids, k_max: int = 8) -> AdaptiveK:
     return policy
 
 
-def test_explores_with_one_token_per_sequence_until_the_cost_was_measured() -> None:
+def test_explores_with_one_sequence_until_the_cost_was_measured() -> None:
+    # Not k_max, nor a token for every sequence: one sequence drafts 1, 0, 2 tokens, so the steps cover three row
+    # counts (R = S + 1, S, S + 2) for a row or two each; the others decode plainly meanwhile.
     policy = _policy([1, 2, 3])
-    assert policy.plan([1, 2, 3], _load(3)) == [EXPLORE_K] * 3  # not k_max: 8 sequences x 8 tokens cost ~7 steps
-    assert policy.last_decision is not None and policy.last_decision.cause == "explore"
-    for num_rows in (3, 6, 9):  # the prefill and the first steps make the cells
-        policy.observe(StepReport([DraftOutcome(i, 0, 0, 0) for i in (1, 2, 3)], num_rows, 0.0,
-                                  compute_bound(3, num_rows), 3, True, num_seqs=3))
+    ks, causes = [], []
+    for _ in range(6):
+        ks.append(policy.plan([1, 2, 3], _load(3)))
+        causes.append(policy.last_decision.cause)
+        rows = 3 + sum(ks[-1])
+        policy.observe(StepReport([DraftOutcome(i, 0, 0, 0) for i in (1, 2, 3)], rows, 0.0,
+                                  compute_bound(3, rows), 3, True, num_seqs=3))
+        if policy.forward.at(3, 3) is not None:
+            break
+    assert ks == [[EXPLORE_K, 0, 0], [0, 0, 0], [EXPLORE_K + 1, 0, 0]]
+    assert causes == ["explore"] * 3
     policy.plan([1, 2, 3], _load(3))
     assert policy.last_decision.cause != "explore"
+    # `keep` sees only the sequences that have a draft: the first of those explores.
+    fresh = _policy([1, 2])
+    assert fresh.keep([DraftSpan(2, 3, 0)], StepView(2, 5, BUDGET, True)) == [EXPLORE_K]
 
 
 def test_probes_cost_at_most_their_share_of_the_step() -> None:
@@ -171,7 +182,46 @@ def test_keep_cuts_a_weak_bucket_and_a_cut_sequence_probes() -> None:
     for _ in range(PROBE_INTERVAL):
         policy.observe(StepReport([DraftOutcome(2, 0, 0, 0)], 0, 0.0, 0.0, 0, False))
     assert policy.keep([DraftSpan(2, 4, 1)], StepView(2, 6, BUDGET, True)) == [1]
-    assert policy.snapshot()["zero_k_sequence_steps"]["cut"] == PROBE_INTERVAL  # type: ignore[index]
+    # `keep` cut it for its cost: those steps count as "cost", like a plan of 0, not as "cut" (nothing to draft)
+    assert policy.snapshot()["zero_k_sequence_steps"] == {"cost": PROBE_INTERVAL, "cut": 0}  # type: ignore[index]
+
+
+def _teach_buckets(policy: AdaptiveK) -> None:
+    """Drafts of bucket 1 (short matches) mostly fail, the rarer bucket 6 ones are copied whole: the bucket-blind
+    mean is poor."""
+    for step in range(120):
+        strong = step % 6 == 0
+        policy.observe(StepReport([DraftOutcome(1, 4, 4 if strong else 0, 6 if strong else 1)], 0, 0.0, 0.0, 0,
+                                  False))
+
+
+def test_free_drafts_are_planned_for_the_best_bucket_and_cut_by_keep() -> None:
+    # Prompt lookup costs nothing: `plan` asks for what the best bucket earns and `keep`, which knows the draft's
+    # bucket, cuts the weak ones. A costly proposer's plan follows the bucket-blind mean instead (here: k = 0).
+    free, costly = AdaptiveK(free_drafts=True), AdaptiveK(free_drafts=False)
+    for policy in (free, costly):
+        policy.add(1, 8)
+        _teach_cost(policy, lambda s, r: 0.010 + 0.002 * r, [1], max_extra=16)  # a row: ~1/6 of a plain step
+        _teach_buckets(policy)
+    assert costly.plan([1], _load(1)) == [0]
+    assert costly.last_decision is not None and costly.last_decision.cause == "cost"
+    assert free.plan([1], _load(1))[0] >= 4
+    assert free.keep([DraftSpan(1, 8, 6)], StepView(1, 9, BUDGET, True))[0] >= 4
+    assert free.keep([DraftSpan(1, 8, 1)], StepView(1, 9, BUDGET, True)) == [0]
+    # Where a row costs as much as a plain step, even the best bucket does not pay: plan falls to 0.
+    free.forward = ForwardCost()
+    _teach_cost(free, lambda s, r: 0.001 + 0.030 * r, [1], max_extra=16)
+    assert free.plan([1], _load(1)) == [0]
+
+
+def test_the_registry_tells_adaptive_whether_drafts_are_free() -> None:
+    from specd.config import SpeculationConfig
+    from specd.speculation.registry import PROPOSERS, build_k_policies
+
+    policies = {name: build_k_policies(SpeculationConfig(), entry.traits)["adaptive"]
+                for name, entry in PROPOSERS.items()}
+    assert {name: policy.free_drafts for name, policy in policies.items()} == {  # type: ignore[attr-defined]
+        "ngram": True, "draft": False, "layerskip": False, "eagle": False, "hybrid": False}
 
 
 def test_budget_caps_the_drafts_and_snapshot_is_json() -> None:
@@ -294,3 +344,21 @@ def test_a_lone_sequence_leaves_exploration() -> None:
         policy.observe(StepReport([DraftOutcome(1, 0, 0, 0)], rows, 0.0, weight_bound(1, rows), 1, True, num_seqs=1))
     assert causes[0] == "explore" and causes[-1] == "draft"
     assert policy.plan([1], _load(1))[0] >= 4  # rows nearly free and 0.8 acceptance: long drafts
+
+
+def test_a_cut_bucket_learns_from_the_next_tokens_it_would_have_matched() -> None:
+    # Bucket 1 failed early and `keep` cuts it; its cut drafts' next tokens then match the target's (the drafts
+    # turned good), which is enough to keep it again -- no verified draft needed.
+    policy = AdaptiveK(free_drafts=True)
+    policy.add(1, 8)
+    _teach_cost(policy, lambda s, r: 0.010 + 0.002 * r, [1], max_extra=16)
+    for _ in range(20):
+        policy.observe(StepReport([DraftOutcome(1, 2, 0, 1)], 0, 0.0, 0.0, 0, False))
+    assert policy.keep([DraftSpan(1, 8, 1)], StepView(1, 9, BUDGET, True)) == [0]
+    for _ in range(60):
+        policy.observe(StepReport([DraftOutcome(1, 0, 0, 1, next_matched=True)], 0, 0.0, 0.0, 0, False))
+    assert policy.keep([DraftSpan(1, 8, 1)], StepView(1, 9, BUDGET, True))[0] >= 1
+    # A miss after accepted drafts counts at the position past them.
+    before = policy.acceptance.prob(1, 1, 2)
+    policy.observe(StepReport([DraftOutcome(1, 2, 2, 1, next_matched=False)], 0, 0.0, 0.0, 0, False))
+    assert policy.acceptance.prob(1, 1, 2) < before

@@ -23,7 +23,7 @@ def _step(*outcomes: DraftOutcome, decode_only: bool = True) -> StepReport:
 def test_every_registered_policy_is_built_from_the_config_and_plans_within_k_max() -> None:
     spec = SpeculationConfig()
     for name, policy_class in K_POLICIES.items():
-        policy = policy_class.from_config(spec)
+        policy = policy_class.from_config(spec, ProposerTraits())
         policy.add(7, 5)
         # Every policy starts at k_max, except adaptive, which explores with EXPLORE_K tokens until it has
         # measured what a verified row costs.
@@ -83,5 +83,5 @@ def test_goodput_keeps_what_pays_given_the_rest_of_the_step_and_learns_from_ever
 def test_snapshots_are_json_ready_or_none(name: str) -> None:
     import json
 
-    snapshot = K_POLICIES[name].from_config(SpeculationConfig()).snapshot()
+    snapshot = K_POLICIES[name].from_config(SpeculationConfig(), ProposerTraits()).snapshot()
     assert snapshot is None or json.loads(json.dumps(snapshot)) == snapshot

@@ -65,7 +65,7 @@ class HalfK(KPolicy):
         self._k_max: dict[int, int] = {}
 
     @classmethod
-    def from_config(cls, spec):
+    def from_config(cls, spec, traits):
         return cls()
 
     @classmethod

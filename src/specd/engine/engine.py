@@ -265,9 +265,11 @@ class LLMEngine:
         progress.num_proposed = {sid: len(d) for sid, d in drafts.token_ids.items()}
         progress.num_draft_forwards = drafts.num_forwards
         progress.num_computed_draft_tokens = drafts.num_computed_tokens
+        proposed = drafts
         drafts = self.speculator.plan(scheduled, drafts, self.config.max_num_batched_tokens)
         progress.num_kept = {sid: len(d) for sid, d in drafts.token_ids.items()}
         drafts = self.constraints.cut_drafts({w.seq.seq_id: w.seq for w in scheduled}, drafts)
+        drafts = Speculator.cut_next(proposed, drafts)
         progress.proposed = time.perf_counter()
         run = self.runner.run(scheduled, drafts.token_ids)
         progress.num_new_tokens = run.num_new_tokens
@@ -315,12 +317,16 @@ class LLMEngine:
             seq.num_steps += 1
             if seq.first_token_time is None and emitted:
                 seq.first_token_time = time.monotonic()
-            num_drafted = run.rows_per_sampled[i] - 1
+            num_drafted, num_accepted = run.rows_per_sampled[i] - 1, result.num_accepted[i]
+            cut_next = drafts.cut_next.get(seq.seq_id)
+            # The target's token after the accepted drafts, against the draft token that was cut there.
+            next_matched = (None if cut_next is None or num_accepted < num_drafted
+                            else out_tokens[num_accepted] == cut_next)
             progress.committed.append(_Committed(
                 seq,
                 seq.output_token_ids[len(seq.output_token_ids) - emitted :],
                 seq.logprobs[-emitted:] if seq.logprobs and emitted else None,
-                DraftOutcome(seq.seq_id, num_drafted, result.num_accepted[i], drafts.buckets.get(seq.seq_id, 0)),
+                DraftOutcome(seq.seq_id, num_drafted, num_accepted, drafts.buckets.get(seq.seq_id, 0), next_matched),
                 emitted,
             ))
         sampled = set(run.sampled)

@@ -9,7 +9,7 @@ proposer or policy it has: everything specific lives behind speculation/proposer
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -33,6 +33,9 @@ class Drafts:
     buckets: dict[int, int]  # seq_id -> the proposer's own class of its draft (0 when it gives none)
     num_forwards: int = 0  # drafting cost as the proposer reported it (Proposal.num_draft_forwards)
     num_computed_tokens: int = 0  # and Proposal.num_computed_draft_tokens
+    # seq_id -> the deterministic draft token just past the kept ones, for drafts that were cut (DraftOutcome's
+    # next_matched compares the target's token with it)
+    cut_next: dict[int, int] = field(default_factory=dict)
 
 
 NO_DRAFTS = Drafts({}, None, {})
@@ -183,6 +186,16 @@ class Speculator:
             if len(rows) < offset:
                 probs = probs[torch.tensor(rows, dtype=torch.long)]  # [num_kept_drafts, vocab_size]
         return Drafts(token_ids, probs, drafts.buckets, drafts.num_forwards, drafts.num_computed_tokens)
+
+    @staticmethod
+    def cut_next(proposed: Drafts, verified: Drafts) -> Drafts:
+        """`verified` with cut_next set: for each deterministic draft verified shorter than it was proposed (cut
+        by a policy or a constraint), the proposed token after the verified ones."""
+        if proposed.probs is not None:
+            return verified  # a draft with a distribution is accepted by another rule than a match
+        cut_next = {sid: d[len(verified.token_ids.get(sid, []))] for sid, d in proposed.token_ids.items()
+                    if len(verified.token_ids.get(sid, [])) < len(d)}
+        return replace(verified, cut_next=cut_next) if cut_next else verified
 
     def observe_hidden_states(
         self, scheduled: Seq[ScheduledSeq], run: RunOutput, num_emitted: dict[int, int]

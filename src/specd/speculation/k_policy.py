@@ -59,12 +59,21 @@ class DraftSpan(NamedTuple):
 
 
 class DraftOutcome(NamedTuple):
-    """What verification did with one sampled sequence's draft this step (k_i = 0 for plain decoding)."""
+    """What verification did with one sampled sequence's draft this step (k_i = 0 for plain decoding).
+
+    next_matched: when the proposer had made a deterministic draft token just past the verified ones (its draft was
+    cut, by `keep` or by a constraint) and every verified one was accepted, whether the token the target emitted in
+    its place equals it; None otherwise. For a deterministic draft token that is the same event, in distribution, as
+    its acceptance had it been verified (accepted with probability p(d), and the target's own token is d with
+    probability p(d)), so a policy can learn the acceptance of drafts it did not pay for. It is not a draft: the
+    metrics never count it.
+    """
 
     seq_id: int
     num_drafted: int
     num_accepted: int
     bucket: int
+    next_matched: bool | None = None
 
 
 class StepReport(NamedTuple):
@@ -89,8 +98,9 @@ class KPolicy(Protocol):
     """
 
     @classmethod
-    def from_config(cls, spec: SpeculationConfig) -> KPolicy:
-        """A fresh instance with the engine-wide settings it needs (thresholds, intervals)."""
+    def from_config(cls, spec: SpeculationConfig, traits: ProposerTraits) -> KPolicy:
+        """A fresh instance with the engine-wide settings it needs (thresholds, intervals), for a proposer with
+        `traits` (which `unsupported` accepted)."""
         ...
 
     @classmethod

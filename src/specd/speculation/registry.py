@@ -59,4 +59,5 @@ def build_proposer(config: EngineConfig, target: LlamaForCausalLM, tokenizer: To
 
 def build_k_policies(spec: SpeculationConfig, traits: ProposerTraits) -> dict[str, KPolicy]:
     """One instance of every registered policy that works with a proposer of `traits`, by name."""
-    return {name: policy.from_config(spec) for name, policy in K_POLICIES.items() if policy.unsupported(traits) is None}
+    return {name: policy.from_config(spec, traits)
+            for name, policy in K_POLICIES.items() if policy.unsupported(traits) is None}

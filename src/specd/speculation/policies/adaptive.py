@@ -21,18 +21,22 @@ its plain value, so the price of a draft token climbs past any v_ij and k falls 
 arriving; when the load leaves, the cells measured at small S price drafts cheaply again, so k comes back.
 
 Where it decides: `plan` chooses k_i before drafting, so a model-based proposer drafts no more than pays, into
-the rows the step's prompt chunks leave free in the budget; `keep`
-re-decides after drafting with the step as formed (its prompt chunks' rows taken from the room) and the draft's
-bucket (ngram: its match length), counting drafting as already paid, so it can only cut. The step cost is learnt
-from decode and verification steps only: a prompt row can cost far less than a verified row (dense prompt rows of
-an int4 model on AMX), so steps with prompt chunks would underprice drafts. Acceptance is counted per (bucket,
-position), engine-wide and per sequence (shrunk towards the engine-wide value, so a sequence that copies well
-earns long drafts and one that does not is cut), with a bucket-blind count for `plan`; one policy instance
-serves one engine, so the estimates are also per proposer. A sequence that drafted nothing for the probe interval
-steps verifies one token anyway: estimates only change through verified tokens, and the forward's cost at
-R > S is only measured by drafting. Probes are not free (a row each), so the interval grows with what a row
-costs: at most PROBE_SHARE of the step time goes to them. Until the forward's cost was measured at three points,
-every sequence drafts one token (exploring, which is how those points get measured: a step at R = 2S is one).
+the rows the step's prompt chunks leave free in the budget; `keep` re-decides after drafting with the step as formed
+(its prompt chunks' rows taken from the room) and the draft's bucket (ngram: its match length), counting drafting
+as already paid, so it can only cut. Where drafts are free to make (ProposerTraits.free_drafts: prompt lookup),
+`plan` asks for what the best bucket seen would earn and leaves the choice to `keep`, which knows the bucket. The
+step cost is learnt from decode and verification steps only: a prompt row can cost far less than a verified row
+(dense prompt rows of an int4 model on AMX), so steps with prompt chunks would underprice drafts. Acceptance is
+counted per (bucket, position), engine-wide and per sequence (shrunk towards the engine-wide value, so a sequence
+that copies well earns long drafts and one that does not is cut), with a bucket-blind count for `plan`; one policy
+instance serves one engine, so the estimates are also per proposer. A deterministic draft that was cut still
+teaches the position past the verified ones (DraftOutcome.next_matched: the target's token there against the cut
+one), so a bucket cut after a few misses is measured again every step it is cut, at no cost. A sequence that
+drafted nothing for the probe interval steps verifies one token anyway: otherwise a model proposer's acceptance
+only changes through verified tokens, and the forward's cost at R > S is only measured by drafting. Probes are not
+free (a row each), so the interval grows with what a row costs: at most PROBE_SHARE of the step time goes to them.
+Until the forward's cost was measured at three points, one sequence drafts 1, 0, 2 tokens in turn (exploring,
+which is how those points get measured: R = S + 1, S, S + 2).
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from specd.speculation.policies.step_cost import DraftCost, ForwardCost
 
 if TYPE_CHECKING:
     from specd.config import SpeculationConfig
+    from specd.speculation.proposer import ProposerTraits
 
 MARGIN = 0.12  # drafting must promise this much more than plain decoding: estimates are noisy, a tax is not
 # (int4 serving grid, session 13: with 0.03 a draft row at 8 sequences, ~8 % of the step, was kept on a promised
@@ -115,6 +120,16 @@ class Acceptance:
         """v_j = prod_{l <= j} p(l) for j < length: the expected emitted tokens each draft position adds."""
         return self.values_of([seq_id], bucket, [length])[0]
 
+    def best_values(self, length: int) -> list[float]:
+        """max over the buckets seen, engine-wide, of v_j for j < length: what the best draft could be worth."""
+        best = [0.0] * length
+        for bucket in self._global:
+            survive = 1.0
+            for j, p in enumerate(self._global_probs(bucket, length)):
+                survive *= p
+                best[j] = max(best[j], survive)
+        return best
+
     def values_of(self, seq_ids: Sequence[int], bucket: int, lengths: Sequence[int]) -> list[list[float]]:
         """`values` for many sequences of one bucket (the engine-wide probabilities are read once)."""
         global_probs = self._global_probs(bucket, max(lengths, default=0))
@@ -158,17 +173,18 @@ def choose(
     """The k_i (k_i <= len(values[i])) that maximise expected emitted tokens per second for a step of num_seqs
     sequences and base_rows new tokens besides these drafts, at most max_rows new tokens in all.
     draft_per_position: seconds one more draft position adds (0: drafts are made or free). While the cost is
-    unknown, each sequence drafts EXPLORE_K, 0, EXPLORE_K + 1 tokens as the observed steps count 0, 1, 2 modulo 3: a
-    lone sequence's steps then cover three row counts, which the cost fit needs (with one fixed k it would see two,
-    forever), and every third exploring step is a plain one (a fresh batch of 16 paid ~3 % exploring with 1, 2, 3)."""
+    unknown, one sequence (the first that can draft) drafts EXPLORE_K, 0, EXPLORE_K + 1 tokens as the observed steps
+    count 0, 1, 2 modulo 3 and the others none: the steps then cover three row counts, which the cost fit needs (with
+    one fixed k it would see two, forever), at a row or two each (every sequence exploring cost a fresh batch of 16
+    ~3 % with k 1, 2, 3, and a batch of 8 ~1.4 % with 1, 0, 2, all of it before the first decision)."""
     longest = max((len(row) for row in values), default=0)
     cost = forward.at(num_seqs, base_rows + sum(len(row) for row in values) // 2)
     if cost is None:
-        room, explore = max(0, max_rows - base_rows), []
-        explore_k = (EXPLORE_K, 0, EXPLORE_K + 1)[forward.num_observed % 3]
-        for row in values:
-            explore.append(min(len(row), explore_k, room))
-            room -= explore[-1]
+        explore = [0] * len(values)
+        explorer = next((i for i, row in enumerate(values) if row), None)
+        if explorer is not None:
+            explore_k = (EXPLORE_K, 0, EXPLORE_K + 1)[forward.num_observed % 3]
+            explore[explorer] = min(len(values[explorer]), explore_k, max(0, max_rows - base_rows))
         return Decision(explore, "explore", None, None)
     plain_seconds = max(cost.seconds - cost.seconds_per_row * (sum(len(row) for row in values) // 2), 1e-9)
     rate_plain = num_seqs / plain_seconds
@@ -200,23 +216,26 @@ class AdaptiveK(KPolicy):
     """The adaptive policy (see the module docstring). Estimates are engine-wide: it learns acceptance from every
     sequence's drafts and cost from every step, whichever policy those sequences use."""
 
-    def __init__(self) -> None:
+    def __init__(self, free_drafts: bool = False) -> None:
+        # free_drafts: the proposer's drafts cost nothing to make (ProposerTraits.free_drafts), so `plan` asks for
+        # what the best draft could earn and `keep` decides, knowing the draft's bucket.
+        self.free_drafts = free_drafts
         self.forward = ForwardCost()
         self.draft = DraftCost()
         self.acceptance = Acceptance()
         self._k_max: dict[int, int] = {}
         self._idle: dict[int, int] = {}  # seq_id -> consecutive steps it verified no draft token
         self.last_decision: Decision | None = None
-        # Sequence-steps that verified no draft token, by cause: "cost" (planned 0: plain decoding predicted as
-        # fast), "cut" (planned > 0, but the proposer found nothing, the budget or `keep` cut it).
+        # Sequence-steps that verified no draft token, by cause: "cost" (`plan` or `keep` chose 0: plain decoding
+        # predicted as fast), "cut" (planned > 0, but the proposer found nothing or the budget cut it).
         self.zero_k_causes: dict[str, int] = {"cost": 0, "cut": 0}
-        self._planned: dict[int, int] = {}  # seq_id -> k_i of its last plan (for the causes above only)
+        self._planned: dict[int, int] = {}  # seq_id -> k_i of its last plan or keep (for the causes above)
         self.num_probes = 0
         self.probe_interval = PROBE_INTERVAL  # steps without a verified draft before a sequence probes; set by plan
 
     @classmethod
-    def from_config(cls, spec: SpeculationConfig) -> AdaptiveK:
-        return cls()
+    def from_config(cls, spec: SpeculationConfig, traits: ProposerTraits) -> AdaptiveK:
+        return cls(free_drafts=traits.free_drafts)
 
     def add(self, seq_id: int, k_max: int) -> None:
         self._k_max[seq_id] = k_max
@@ -247,6 +266,13 @@ class AdaptiveK(KPolicy):
         # (the scheduler also caps drafts at half the room while prompts are pending)
         draft_room = min(room // 2, room - prompt_rows) if load.num_prefilling else room
         values = self.acceptance.values_of(seq_ids, _ANY_BUCKET, [self._k_max[sid] for sid in seq_ids])
+        if self.free_drafts and values:
+            # Looking drafts up costs nothing, and what one is worth depends on its bucket (ngram: a long match is
+            # copied far more reliably than a short one), which only drafting tells: plan for the best bucket and
+            # let `keep` cut. Planning from the bucket-blind mean locked a lone docqa request into k = 0 after a
+            # few early misses (only probes then measured acceptance: 1.02x against fixed k's 1.27x).
+            best = self.acceptance.best_values(max(len(row) for row in values))
+            values = [[max(v, b) for v, b in zip(row, best, strict=False)] for row in values]
         drafting = sum(1 for sid in seq_ids if self._k_max[sid] > 0)
         decision = choose(values, num_seqs, num_seqs, num_seqs + draft_room, self.forward,
                           self.draft.per_position(drafting))
@@ -268,7 +294,11 @@ class AdaptiveK(KPolicy):
         # room its other tokens (prompt chunks included) leave in the budget.
         room = step.max_num_batched_tokens - (step.num_new_tokens - sum(lengths))
         decision = choose(values, step.num_seqs, step.num_seqs, step.num_seqs + room, self.forward, 0.0)
-        return [max(k, 1 if self._probing(d.seq_id) and n else 0) for k, d, n in zip(decision.k, drafts, lengths)]
+        kept = [max(k, 1 if self._probing(d.seq_id) and n else 0) for k, d, n in zip(decision.k, drafts, lengths)]
+        for d, k in zip(drafts, kept, strict=True):
+            if k == 0 and decision.cause != "explore":
+                self._planned[d.seq_id] = 0  # cut for its cost, not for want of a draft
+        return kept
 
     def observe(self, report: StepReport) -> None:
         num_seqs = report.num_seqs or len(report.outcomes)
@@ -282,7 +312,12 @@ class AdaptiveK(KPolicy):
         if drafted:
             self.draft.observe(len(drafted), max(drafted), report.propose_s)
         for outcome in report.outcomes:
-            self.acceptance.observe(outcome.seq_id, outcome.bucket, outcome.num_drafted, outcome.num_accepted)
+            # A cut draft's next token, matched against the target's, counts as one more reached position: the
+            # same event in distribution as its acceptance (DraftOutcome), so drafts `keep` cut still teach it --
+            # without them a bucket cut after a few early misses was only measured again by probes.
+            seen = outcome.next_matched is not None
+            self.acceptance.observe(outcome.seq_id, outcome.bucket, outcome.num_drafted + seen,
+                                    outcome.num_accepted + bool(outcome.next_matched))
             if outcome.seq_id in self._idle:
                 if outcome.num_drafted:
                     self.num_probes += self._probing(outcome.seq_id)

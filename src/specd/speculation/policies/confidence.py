@@ -31,7 +31,7 @@ class ConfidenceK(FixedK):
         self._stop = TopProbabilityStop(threshold)
 
     @classmethod
-    def from_config(cls, spec: SpeculationConfig) -> ConfidenceK:
+    def from_config(cls, spec: SpeculationConfig, traits: ProposerTraits) -> ConfidenceK:
         return cls(spec.confidence_threshold)
 
     @classmethod

@@ -9,6 +9,7 @@ from specd.speculation.k_policy import EngineLoad, KPolicy
 
 if TYPE_CHECKING:
     from specd.config import SpeculationConfig
+    from specd.speculation.proposer import ProposerTraits
 
 
 class FixedK(KPolicy):
@@ -18,7 +19,7 @@ class FixedK(KPolicy):
         self._k_max: dict[int, int] = {}
 
     @classmethod
-    def from_config(cls, spec: SpeculationConfig) -> FixedK:
+    def from_config(cls, spec: SpeculationConfig, traits: ProposerTraits) -> FixedK:
         return cls()
 
     def add(self, seq_id: int, k_max: int) -> None:

@@ -237,7 +237,7 @@ class GoodputK(KPolicy):
         self._k_max: dict[int, int] = {}
 
     @classmethod
-    def from_config(cls, spec: SpeculationConfig) -> GoodputK:
+    def from_config(cls, spec: SpeculationConfig, traits: ProposerTraits) -> GoodputK:
         return cls()
 
     @classmethod

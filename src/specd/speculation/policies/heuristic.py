@@ -10,6 +10,7 @@ from specd.speculation.k_policy import EngineLoad, KPolicy, StepReport
 
 if TYPE_CHECKING:
     from specd.config import SpeculationConfig
+    from specd.speculation.proposer import ProposerTraits
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,7 +33,7 @@ class HeuristicK(KPolicy):
         self._states: dict[int, KState] = {}
 
     @classmethod
-    def from_config(cls, spec: SpeculationConfig) -> HeuristicK:
+    def from_config(cls, spec: SpeculationConfig, traits: ProposerTraits) -> HeuristicK:
         return cls(spec.heuristic_probe_interval)
 
     def add(self, seq_id: int, k_max: int) -> None:
