@@ -287,17 +287,20 @@ def test_sampled_speculation_matches_target_distribution(tiny_vocab_models, meth
         monkeypatch.setattr(planner, "marginal_seconds", lambda base_tokens, max_extra: 0.0)
     # Token 1 comes from the prefill step; tokens 2 and 3 from a speculative step (k = 1: d_1 verified, then
     # the correction or the bonus), so their joint distribution is what speculation must preserve.
+    # A fourth token gives each request a decode step after the cold one that follows its prefill: only such steps
+    # teach `adaptive` what a row costs (StepReport.teaches_cost), and until then it drafts with one sequence.
     n = 4000
-    params = [SamplingParams(max_tokens=3, temperature=temperature, seed=i, ignore_eos=True) for i in range(n)]
+    params = [SamplingParams(max_tokens=4, temperature=temperature, seed=i, ignore_eos=True) for i in range(n)]
     outs = llm.generate(prompt_token_ids=[prompt] * n, sampling_params=params)
     counts = np.zeros(VOCAB * VOCAB)
     for o in outs:
-        _, t2, t3 = o.outputs[0].token_ids
+        _, t2, t3, _ = o.outputs[0].token_ids
         counts[t2 * VOCAB + t3] += 1
     m = llm.get_metrics()["counters"]
     assert 0 < m["accepted_tokens"] < m["draft_tokens"]  # both branches of the rule were exercised
     if policy == "confidence":  # some drafts were cut before their first token, some were not
-        assert 0 < m["drafts"] < n
+        # (a draft the threshold stops before its first token is an empty proposal: k = 0 for "no_match")
+        assert m["drafts"] > 0 and m["nonspec_by_cause"]["no_match"] > 0
     exp = expected * n
     keep = exp >= 5  # pool rare cells so the chi-square approximation holds
     obs_k = np.append(counts[keep], counts[~keep].sum())
@@ -611,3 +614,19 @@ def test_a_cut_draft_reports_whether_its_next_token_matched_and_the_metrics_igno
     counters = llm.get_metrics()["counters"]
     assert counters["draft_tokens"] == sum(o.num_drafted for o in outcomes)
     assert counters["accepted_tokens"] == sum(o.num_accepted for o in outcomes)
+
+
+def test_the_engine_marks_the_first_step_after_a_prompt_chunk(make_llm, monkeypatch):
+    # That step runs cold (the prompt path filled the caches), so it must not teach a k policy what a row costs.
+    llm = make_llm(_spec("ngram", 4, "adaptive"))
+    reports = []
+    observe = llm.engine.speculator.observe
+    monkeypatch.setattr(llm.engine.speculator, "observe", lambda report: (reports.append(report), observe(report)))
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    llm.generate(PROMPTS[:2], params)  # both prompts prefill in the first step, then both decode
+    assert [(r.decode_only, r.after_prompt, r.teaches_cost) for r in reports[:3]] == [
+        (False, True, False), (True, True, False), (True, False, True)]
+    assert reports[3:] and not any(r.after_prompt for r in reports[3:])
+    reports.clear()
+    llm.generate(PROMPTS[2:3], params)  # a later request: its prefill, then a cold first decode step again
+    assert [(r.decode_only, r.after_prompt) for r in reports[:3]] == [(False, False), (True, True), (True, False)]

@@ -362,3 +362,29 @@ def test_a_cut_bucket_learns_from_the_next_tokens_it_would_have_matched() -> Non
     before = policy.acceptance.prob(1, 1, 2)
     policy.observe(StepReport([DraftOutcome(1, 2, 2, 1, next_matched=False)], 0, 0.0, 0.0, 0, False))
     assert policy.acceptance.prob(1, 1, 2) < before
+
+
+def test_the_first_step_after_a_prompt_chunk_does_not_teach_the_cost() -> None:
+    # A fresh engine explores R = S + 1, S, S + 2 right after the prompt's prefill; that first decode step runs
+    # cold (an engine step 3.7x a warm one on the default int4 model). Fed to the cost model at R = S + 1 it
+    # prices rows far too high. Marked after_prompt, it is left out, as prompt steps are.
+    def decode_s(rows: int) -> float:  # the default int4 model at one sequence: 9 ms, 0.9 ms per extra row
+        return 0.009 + 0.0009 * (rows - 1)
+
+    def run(mark: bool) -> AdaptiveK:
+        policy = _policy([1])
+        policy.observe(StepReport([DraftOutcome(1, 0, 0, 0)], 200, 0.0, 0.5, 1, False, num_seqs=1))  # the prefill
+        for step in range(40):
+            exploring = policy.forward.at(1, 1) is None
+            rows = 1 + policy.plan([1], _load(1))[0] if exploring else 1  # explore, then decode plainly
+            seconds = decode_s(rows) * (3.7 if step == 0 else 1.0)
+            policy.observe(StepReport([DraftOutcome(1, rows - 1, 0, 0)], rows, 0.0, seconds, 1, True, num_seqs=1,
+                                      after_prompt=mark and step == 0))
+        return policy
+
+    marked, unmarked = run(True), run(False)
+    assert marked.forward.at(1, 1).seconds_per_row == pytest.approx(0.0009, rel=0.05)
+    assert unmarked.forward.at(1, 1).seconds_per_row > 3 * 0.0009  # what the cold step did unmarked
+    assert not StepReport([], 2, 0.0, 0.1, 1, True, after_prompt=True).teaches_cost
+    assert not StepReport([], 2, 0.0, 0.1, 1, False).teaches_cost
+    assert StepReport([], 2, 0.0, 0.1, 1, True).teaches_cost

@@ -70,6 +70,7 @@ class _StepProgress:
     schedule_k0_causes: dict[int, K0Cause] = field(default_factory=dict)
     num_proposed: dict[int, int] = field(default_factory=dict)
     num_kept: dict[int, int] = field(default_factory=dict)
+    after_prompt: bool = False  # the previous step carried prompt chunks (or there was none): StepReport's
     num_draft_forwards: int = 0  # what drafting cost, as the proposer reported it
     num_computed_draft_tokens: int = 0
     proposed: float = 0.0
@@ -104,6 +105,7 @@ class LLMEngine:
         self._next_seq_id = 0
         self._pending: list[RequestDelta] = []
         self._rng = torch.Generator().manual_seed(config.seed)
+        self._last_decode_only = False  # whether the last step that ran carried no prompt chunk
         eos = set(model.config.eos_token_ids)
         if tokenizer is not None:
             eos.update(tokenizer.eos_token_ids)
@@ -241,7 +243,8 @@ class LLMEngine:
             return StepResult(deltas, 0)
         num_prefill_tokens = sum(w.num_prefill for w in scheduled)
         progress = _StepProgress(time.perf_counter(), not num_prefill_tokens, num_prefill_tokens, len(scheduled),
-                                 _schedule_k0_causes(scheduled, wanted))
+                                 _schedule_k0_causes(scheduled, wanted), after_prompt=not self._last_decode_only)
+        self._last_decode_only = progress.decode_only
         error: Exception | None = None
         try:
             self._run(scheduled, progress)
@@ -361,6 +364,7 @@ class LLMEngine:
             decode_only=progress.decode_only,
             propose_s=progress.proposed - progress.started,
             num_seqs=progress.num_seqs,
+            after_prompt=progress.after_prompt,
         )
         self.speculator.observe(report)
         num_proposed = [progress.num_proposed.get(done.seq.seq_id, 0) for done in committed]

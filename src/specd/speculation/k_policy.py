@@ -88,6 +88,18 @@ class StepReport(NamedTuple):
     decode_only: bool
     propose_s: float = 0.0  # wall time of drafting (propose, keep, constraint cuts), part of step_s
     num_seqs: int = 0  # sequences in the target forward (decode and prefill); 0: unknown, len(outcomes) then
+    after_prompt: bool = False  # the engine's previous step carried prompt chunks (or there was none)
+
+    @property
+    def teaches_cost(self) -> bool:
+        """Whether the step's time is what a decode or verification step costs: decode-only, and not the first
+        after a step with prompt chunks. That one runs with the caches the prompt path filled (the int4 model on an
+        AMX CPU prefills through dense bfloat16 copies of the weights): on the default model the forward took
+        1.7-2x a warm one and the engine step 3.7x (33 ms against 9), whatever its rows. A fresh engine's first
+        decode step explores a draft row, so that time landed in the R = S + 1 cell: with a traced docqa run's
+        step times the adaptive fit priced a row at 59 % of a step (the truth: ~10 %), and in one bench/spec.py
+        grid a lone docqa request verified no drafts in three fresh engines."""
+        return self.decode_only and not self.after_prompt
 
 
 class KPolicy(Protocol):

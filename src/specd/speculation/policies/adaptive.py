@@ -302,11 +302,13 @@ class AdaptiveK(KPolicy):
 
     def observe(self, report: StepReport) -> None:
         num_seqs = report.num_seqs or len(report.outcomes)
-        if report.decode_only:
+        if report.teaches_cost:
             # Drafts are priced as decode rows, so only decode (and verification) steps teach the cost: a prompt row
             # may cost far less than a verified one (an int4 model on an AMX CPU prefills through dense bfloat16
             # copies at ~1/4 of a q4 row), and steps that carried prompt chunks made draft rows look cheap -- the
-            # int4 grid lost 14-21 % of off's throughput past saturation that way.
+            # int4 grid lost 14-21 % of off's throughput past saturation that way. The first decode step after
+            # them is left out too (StepReport.teaches_cost): it runs cold, and as a fresh engine's first exploring
+            # step it priced a draft row at ~6x its cost.
             self.forward.observe(num_seqs, report.num_new_tokens, report.step_s - report.propose_s)
         drafted = [o.num_drafted for o in report.outcomes if o.num_drafted > 0]
         if drafted:

@@ -261,13 +261,13 @@ class GoodputK(KPolicy):
         return plan.keep
 
     def observe(self, report: StepReport) -> None:
-        # Only decode/verification steps feed the cost and throughput estimates: prefill time is not what
-        # drafting competes with.
-        if report.decode_only:
+        # Only warm decode/verification steps feed the cost and throughput estimates: prefill time is not what
+        # drafting competes with, and the step after a prefill runs cold (StepReport.teaches_cost).
+        if report.teaches_cost:
             self.planner.observe_forward(report.num_new_tokens, report.verify_s)
         for outcome in report.outcomes:
             self.planner.observe_draft(outcome.seq_id, outcome.bucket, outcome.num_drafted, outcome.num_accepted)
-        if report.decode_only:
+        if report.teaches_cost:
             self.planner.observe_step(report.num_emitted, report.step_s)
 
     def release(self, seq_id: int) -> None:
