@@ -1,12 +1,18 @@
 """specd's q4/q8 kernels per call by row count, against an earlier commit's kernels in the same process.
 
-    OMP_NUM_THREADS=1 .venv/bin/python bench/gemm_rows.py --baseline 1de80ee [--rows 1 2 4 8 16] [--isa avx2]
+    .venv/bin/python bench/gemm_rows.py --baseline 1de80ee [--rows 1 2 4 8 16] [--isa avx2] [--clock wall|cpu]
+        [--baseline-openmp]
 
 The baseline commit's quant_gemm.cpp is built as its own extension (`specd_quant_gemm_baseline`) and its
 blockquant.py lays out the weights it reads (the weight order has changed between versions); both kernels get the
-same GGUF-style blocks. CPU time per call (time.process_time), the two kernels alternating, the minimum over
---rounds; each cell is "baseline / current (current / baseline)", and the row-count columns divide by the one-row
-time.
+same GGUF-style blocks. Time per call, the two kernels alternating, the minimum over --rounds; each cell is
+"baseline / current (current / baseline)", and the row-count columns divide by the one-row time.
+
+--clock wall (the default) times what a caller waits, on torch's threads (OMP_NUM_THREADS=1 for one core);
+--clock cpu sums the CPU time of every thread (time.process_time), which on a loaded machine moves less but does
+not show a split over threads. The baseline is compiled with the build's ISA flags only, as every revision before
+session 17 was (without -fopenmp its at::parallel_for runs serially); --baseline-openmp adds -fopenmp, to compare
+the kernels' code alone.
 """
 
 from __future__ import annotations
@@ -34,14 +40,14 @@ SHAPES = {"qkv 960x576 (q4)": (960, 576), "gate_up 3072x576 (q4)": (3072, 576), 
           "o 576x576 (q4)": (576, 576), "lm_head 49152x576 (q8)": (49152, 576)}
 
 
-def cpu_us(call: Callable[[], object], min_seconds: float) -> float:
+def time_us(call: Callable[[], object], min_seconds: float, clock: Callable[[], float]) -> float:
     for _ in range(2):
         call()
-    reps, start = 0, time.process_time()
-    while time.process_time() - start < min_seconds:
+    reps, start = 0, clock()
+    while clock() - start < min_seconds:
         call()
         reps += 1
-    return 1e6 * (time.process_time() - start) / reps
+    return 1e6 * (clock() - start) / reps
 
 
 def baseline_files(revision: str, directory: Path) -> tuple[Path, ModuleType]:
@@ -66,7 +72,9 @@ def main() -> None:
     ap.add_argument("--baseline", required=True, help="the git revision whose kernels to compare with")
     ap.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 8, 16])
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--seconds", type=float, default=0.15, help="CPU seconds per measurement")
+    ap.add_argument("--seconds", type=float, default=0.15, help="seconds (of --clock) per measurement")
+    ap.add_argument("--clock", choices=["wall", "cpu"], default="wall")
+    ap.add_argument("--baseline-openmp", action="store_true", help="compile the baseline with -fopenmp too")
     ap.add_argument("--isa", choices=list(kernels.ISA_FLAGS), default=None,
                     help="the build to compare, both kernels (default: the best this CPU runs, kernels.cpu_isa())")
     args = ap.parse_args()
@@ -74,10 +82,12 @@ def main() -> None:
         ap.error("--rows: every count must be >= 1")
     isa = args.isa or kernels.cpu_isa()
     current = kernels.build(isa)
-    flags = ["-O3", *kernels.ISA_FLAGS[isa]]  # the same flags for both (a source without VNNI code ignores them)
+    flags = ["-O3", *kernels.ISA_FLAGS[isa]]  # the build's ISA flags (a source without VNNI code ignores them)
+    openmp = ["-fopenmp"] if args.baseline_openmp else []
     with tempfile.TemporaryDirectory() as directory:
         source, old_layout = baseline_files(args.baseline, Path(directory))
-        baseline = kernels.load_extension("specd_quant_gemm_baseline", source, flags)
+        baseline = kernels.load_extension("specd_quant_gemm_baseline", source, flags + openmp, openmp)
+    clock = time.perf_counter if args.clock == "wall" else time.process_time
     torch.manual_seed(0)
     table: list[list[Any]] = []
     for name, (out_features, in_features) in SHAPES.items():
@@ -98,7 +108,8 @@ def main() -> None:
             got, expected = calls["current"](), calls["baseline"]()
             if not torch.allclose(got, expected, rtol=1e-4, atol=1e-3 * expected.abs().max().item()):
                 raise SystemExit(f"{name}, {num_rows} rows: the two kernels disagree")
-            best = {label: min(cpu_us(call, args.seconds) for _ in range(args.rounds)) for label, call in calls.items()}
+            best = {label: min(time_us(call, args.seconds, clock) for _ in range(args.rounds))
+                    for label, call in calls.items()}
             for label in best:
                 one_row.setdefault(label, best[label])
             row.append(f"{best['baseline']:.0f} / {best['current']:.0f} ({best['current'] / best['baseline']:.2f})")

@@ -17,7 +17,9 @@ from specd.kernels.blockquant import (
     reference_linear,
 )
 
-VNNI_BUILDS = ("avxvnni", "avx512vnni")
+VNNI_BUILDS = ("avx512", "avxvnni", "avx512vnni")
+BUILD_CPU_FLAGS = {"avx512": set(specd.kernels._AVX512_FLAGS), "avxvnni": {"avx_vnni"},
+                   "avx512vnni": {"avx512_vnni", "avx512vl"}}
 
 
 @pytest.fixture(scope="module")
@@ -77,8 +79,9 @@ def test_a_row_gives_the_same_bits_alone_and_among_others(native, quantize):
 # by each of those; 256 and 352 rows have 8 and 11 blocks (the min term's 8-block loads, whole and with a rest)
 @pytest.mark.parametrize("in_features", [32, 64, 96, 256, 288, 320, 352])
 def test_every_tile_shape_gives_a_row_the_bits_it_gets_alone(native, quantize, out_features, in_features):
-    """Tiles of 1-4 rows x 1, 2 or 4 columns, groups of four, two and one blocks: each row of a 1..9-row call
-    equals the row computed alone, and the call is close to the float64 model of the kernel."""
+    """Tiles of 1-4 rows (1-8 in the avx512 build) x 1, 2 or 4 columns, groups of four, two and one blocks: each
+    row of a 1..9-row call equals the row computed alone, and the call is close to the float64 model of the
+    kernel."""
     weight = quantize(_weights(out_features=out_features, in_features=in_features, seed=in_features))
     x = torch.randn(9, in_features).to(torch.bfloat16)
     alone = torch.cat([weight.linear(native, x[i : i + 1], float_out=True) for i in range(9)])
@@ -86,6 +89,30 @@ def test_every_tile_shape_gives_a_row_the_bits_it_gets_alone(native, quantize, o
         assert torch.equal(weight.linear(native, x[:rows], float_out=True), alone[:rows]), f"{rows} rows"
     expected = reference_linear(weight, x.float())
     torch.testing.assert_close(alone.double(), expected, rtol=0, atol=1e-4 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("isa", ["scalar", "native"])
+def test_the_kernels_split_their_columns_over_torchs_threads_with_the_same_bits(native, isa):
+    """Built without OpenMP, ATen's parallel_for runs serially: the GEMMs used one core. The loop must really fan
+    out over torch's threads, and a row's bits must not depend on how many threads split the columns."""
+    module = native if isa == "native" else specd.kernels.build("scalar")
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert module.parallel_width(64) == 2
+        results = {}
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            for quantize in (quantize_q4, quantize_q8):
+                weight = quantize(_weights(out_features=203, in_features=224, seed=7))
+                x = torch.randn(16, 224, generator=torch.Generator().manual_seed(5))
+                results.setdefault(quantize, []).append(weight.linear(module, x, float_out=True))
+        torch.set_num_threads(1)
+        assert module.parallel_width(64) == 1
+    finally:
+        torch.set_num_threads(before)
+    for outputs in results.values():
+        assert all(torch.equal(outputs[0], out) for out in outputs[1:])
 
 
 @pytest.mark.parametrize("quantize", [quantize_q4, quantize_q8], ids=["q4", "q8"])
@@ -172,7 +199,7 @@ def test_the_scalar_build_agrees_with_the_reference():
         torch.testing.assert_close(weight.linear(scalar, x, float_out=True).double(), expected, rtol=0,
                                    atol=1e-4 * expected.abs().max().item())
     with pytest.raises(ValueError, match="isa"):
-        specd.kernels.build("avx512")
+        specd.kernels.build("avx1024")
 
 
 def test_a_failed_build_warns_once_and_returns_none(monkeypatch):
@@ -228,7 +255,10 @@ def test_avx2_opts_out_of_vnni_only(monkeypatch, native):
 
 
 def test_the_best_build_follows_the_cpu_flags(monkeypatch):
-    for flags, isa in [({"avx2", "fma", "f16c", "avx_vnni", "avx512_vnni", "avx512vl"}, "avxvnni"),
+    avx512 = {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}
+    for flags, isa in [({"avx2", "fma", "f16c", "avx_vnni"} | avx512, "avx512"),
+                       ({"avx2", "fma", "f16c", "avx_vnni"} | avx512 - {"avx512dq"}, "avxvnni"),
+                       ({"avx2", "fma", "f16c", "avx_vnni", "avx512_vnni", "avx512vl"}, "avxvnni"),
                        ({"avx2", "fma", "f16c", "avx512_vnni", "avx512vl"}, "avx512vnni"),
                        ({"avx2", "fma", "f16c", "avx512_vnni"}, "avx2"),  # the 256-bit EVEX form needs VL
                        ({"avx2", "fma", "avx_vnni"}, "scalar"),  # no F16C: no vector build at all
@@ -240,9 +270,11 @@ def test_the_best_build_follows_the_cpu_flags(monkeypatch):
 @pytest.mark.parametrize("isa", VNNI_BUILDS)
 def test_a_vnni_build_gives_the_avx2_builds_bits(isa):
     # dpbusd adds the same exact four-byte integer sums as maddubs + madd: every output bit must match, in every
-    # tile shape (rows 1..5 and 16; columns not a multiple of 4) and group size (192 = 4+2 blocks, 224 = 4+2+1).
+    # tile shape (rows 1..5, 7, 9 and 16; columns not a multiple of 4), group size (192 = 4+2 blocks,
+    # 224 = 4+2+1) and min-term load (352 = 11 blocks: 8, then 3).
+    # The avx512 build's 4-column tiles hold two columns per 512-bit vector, each lane taking the 256-bit steps.
     flags = specd.kernels._cpu_flags()
-    needed = {"avxvnni": {"avx_vnni"}, "avx512vnni": {"avx512_vnni", "avx512vl"}}[isa]
+    needed = BUILD_CPU_FLAGS[isa]
     if not specd.kernels.cpu_has_avx2() or not needed <= flags:
         pytest.skip(f"this CPU cannot run the {isa} build")
     try:
@@ -250,8 +282,10 @@ def test_a_vnni_build_gives_the_avx2_builds_bits(isa):
     except Exception as exc:  # an old compiler without the flag: the default then is still the best that builds
         pytest.skip(f"the {isa} build failed: {exc}")
     assert vnni.uses_vnni() and not avx2.uses_vnni()
+    assert vnni.uses_zmm() == (isa == "avx512") and not avx2.uses_zmm()
     torch.manual_seed(3)
-    for quantize, in_features, rows in itertools.product((quantize_q4, quantize_q8), (192, 224), (1, 2, 3, 4, 5, 16)):
+    shapes = itertools.product((quantize_q4, quantize_q8), (192, 224, 352), (1, 2, 3, 4, 5, 7, 9, 16))
+    for quantize, in_features, rows in shapes:
         weight = quantize(_weights(out_features=203, in_features=in_features, seed=rows))
         for dtype in (torch.float32, torch.bfloat16):
             x = torch.randn(rows, in_features).to(dtype)

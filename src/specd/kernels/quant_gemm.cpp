@@ -25,7 +25,9 @@
 // own activation row, whatever the number of rows in the batch and whichever tile it falls in: a token's result
 // does not depend on its neighbours (speculative verification relies on it). Tiles of up to 4 rows x 4
 // columns share each unpacked weight group among their rows and each activation load among their columns;
-// work is split over column tiles.
+// work is split over column tiles, on torch's intra-op threads: at::parallel_for is a header template that runs
+// its loop on OpenMP threads only where the including file is compiled with -fopenmp, and serially otherwise
+// (kernels/__init__.py builds with it; `parallel_width` reports how many threads a loop really ran on).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -34,6 +36,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -57,10 +60,22 @@
 #define SPECD_VNNI 0
 #endif
 
+// 512-bit tiles (the "avx512" build: AVX-512 F/BW/VL/DQ and VNNI): a 4-column tile holds two columns per vector,
+// column 2p's eight lanes in the lower half and 2p + 1's in the upper, and every lane takes exactly the steps of
+// the 256-bit tile's lane (the same dpbusd sums, convert, multiply, FMA, then the same reduce_store), so the bits
+// are the 256-bit build's; only half as many instructions issue, and tiles grow to 8 rows. Tiles of 1-2 rows and
+// the columns left over past the 4-column tiles take the 256-bit code.
+#if SPECD_VNNI && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512DQ__) && defined(__AVX512VNNI__)
+#define SPECD_ZMM 1
+#else
+#define SPECD_ZMM 0
+#endif
+
 namespace {
 
 constexpr int64_t kBlock = 32;
-constexpr int64_t kMaxTileRows = 4;
+constexpr int64_t kMaxTileRows = SPECD_ZMM ? 8 : 4;  // rows per tile (the 256-bit tiles take at most 4)
 
 inline float half_to_float(at::Half h) {
 #if SPECD_AVX2
@@ -354,6 +369,119 @@ struct Q4Tile {
   }
 };
 
+#if SPECD_ZMM
+// Two columns' 256-bit vectors as one 512-bit vector: a in the lower half, b in the upper.
+inline __m512 pair_of(__m256 a, __m256 b) { return _mm512_insertf32x8(_mm512_castps256_ps512(a), b, 1); }
+// A row's 32 activation codes in both halves (both columns of a pair read the same row).
+inline __m512i load32_twice(const int8_t* p) {
+  return _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 load8_twice(const float* p) { return _mm512_broadcast_f32x8(_mm256_loadu_ps(p)); }
+
+// unpack_q4 of two columns' 16 bytes at once: [low nibbles of w0, high of w0, low of w1, high of w1].
+inline __m512i unpack_q4_pair(const uint8_t* w0, const uint8_t* w1) {
+  const __m512i both = _mm512_inserti64x4(
+      _mm512_castsi256_si512(_mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w0)))),
+      _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w1))), 1);
+  return _mm512_and_si512(_mm512_srlv_epi32(both, _mm512_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4, 0, 0, 0, 0, 4, 4, 4, 4)),
+                          _mm512_set1_epi8(0x0F));
+}
+
+// The 256-bit lanes' float step (`accumulate`), two columns at once.
+inline __m512 accumulate_pair(__m512i sums, __m512 w_scales, const float* x_scales, __m512 acc) {
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(sums), _mm512_mul_ps(w_scales, load8_twice(x_scales)), acc);
+}
+
+// The R x 2P accumulators' halves back as 256-bit vectors, reduced and stored exactly as the 256-bit tile does.
+template <int R, int P>
+inline void reduce_store_pairs(const __m512* acc, float* out, int64_t stride) {
+  static_assert(P == 2, "pair tiles are 4 columns wide");
+  for (int r = 0; r < R; ++r) {
+    const __m256 halves[4] = {_mm512_castps512_ps256(acc[r * P]), _mm512_extractf32x8_ps(acc[r * P], 1),
+                              _mm512_castps512_ps256(acc[r * P + 1]), _mm512_extractf32x8_ps(acc[r * P + 1], 1)};
+    reduce_store<4>(halves, out + r * stride);
+  }
+}
+
+// What a pair tile reads: its 2P weight columns (codes, block scales) and R activation rows.
+template <typename Code, int R, int P>
+struct PairInputs {
+  const Code* w[2 * P];
+  const at::Half* w_scales[2 * P];
+  const int8_t* xq[R];
+  const float* x_scales[R];
+
+  template <typename Tile>  // Q4Tile or Q8Tile; code_stride: bytes of codes per weight column
+  PairInputs(const Tile& tile, int64_t row0, int64_t col0, int64_t code_stride) {
+    for (int c = 0; c < 2 * P; ++c) {
+      w[c] = tile.codes + (col0 + c) * code_stride;
+      w_scales[c] = tile.scales + (col0 + c) * tile.blocks;
+    }
+    for (int r = 0; r < R; ++r) {
+      xq[r] = tile.x.row_codes(row0 + r);
+      x_scales[r] = tile.x.row_scales(row0 + r);
+    }
+  }
+};
+
+// Q4Tile's 4-column tiles with column pairs in 512-bit vectors (see SPECD_ZMM).
+struct Q4PairTile {
+  const Q4Tile& tile;
+
+  template <int R, int P>
+  struct Step {
+    const Q4Tile& tile;
+    const PairInputs<uint8_t, R, P>& in;
+    __m512* acc;  // [R][P]
+
+    template <int S>
+    void group(int64_t g, int64_t first) const {
+      const int64_t prefetch = kPrefetchColumns * (tile.x.k / 2);
+      const auto& [w, w_scales, xq, x_scales] = in;
+      __m512i u[P][S];
+      __m512 ws[P];
+      for (int p = 0; p < P; ++p) {
+        const uint8_t* w0 = w[2 * p] + first * 16;
+        const uint8_t* w1 = w[2 * p + 1] + first * 16;
+        _mm_prefetch(reinterpret_cast<const char*>(w0 + prefetch), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(w1 + prefetch), _MM_HINT_T0);
+        for (int t = 0; t < S; ++t) u[p][t] = unpack_q4_pair(w0 + 16 * t, w1 + 16 * t);
+        ws[p] = pair_of(group_lanes<S>(w_scales[2 * p] + first), group_lanes<S>(w_scales[2 * p + 1] + first));
+      }
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xg = xq[r] + first * kBlock;
+        __m512i xv[S];
+        for (int t = 0; t < S; ++t) xv[t] = load32_twice(xg + 32 * t);
+        for (int p = 0; p < P; ++p) {
+          __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[p][0], xv[0]);
+          for (int t = 1; t < S; ++t) s = _mm512_dpbusd_epi32(s, u[p][t], xv[t]);
+          acc[r * P + p] = accumulate_pair(s, ws[p], x_scales[r] + g * 8, acc[r * P + p]);
+        }
+      }
+    }
+  };
+
+  template <int R, int P>
+  void run(int64_t row0, int64_t col0, float* out, int64_t stride) const {  // out: [R, stride], 2P columns written
+    const int64_t blocks = tile.blocks;
+    const PairInputs<uint8_t, R, P> in(tile, row0, col0, tile.x.k / 2);
+    __m512 acc[R * P];
+    for (int i = 0; i < R * P; ++i) acc[i] = _mm512_setzero_ps();
+    for_each_group(blocks, Step<R, P>{tile, in, acc});
+    for (int64_t b = 0; b < blocks; b += 8) {  // the min term, as Q4Tile::run
+      for (int p = 0; p < P; ++p) {
+        const __m512 wm = pair_of(load_halves8(tile.mins + (col0 + 2 * p) * blocks + b, blocks - b, b),
+                                  load_halves8(tile.mins + (col0 + 2 * p + 1) * blocks + b, blocks - b, b));
+        for (int r = 0; r < R; ++r) {
+          acc[r * P + p] = _mm512_fmadd_ps(wm, load8_twice(tile.x.row_sums(row0 + r) + b), acc[r * P + p]);
+        }
+      }
+    }
+    reduce_store_pairs<R, P>(acc, out, stride);
+  }
+};
+#endif
+
 // q8 tile: as Q4Tile, int8 weights (maddubs wants an unsigned operand: |w| times x with w's sign moved onto it;
 // pairs reach 2 * 127 * 127 = 32258, so each block is widened to int32 before any sum across blocks).
 struct Q8Tile {
@@ -422,11 +550,98 @@ struct Q8Tile {
   }
 };
 
+#if SPECD_ZMM
+// Q8Tile's 4-column tiles with column pairs in 512-bit vectors. AVX-512 has no sign_epi8: the activation codes are
+// negated where the weight is negative (a masked subtract); where it is 0 the magnitude is 0 and so is the product,
+// so |w| * (sign-moved x) is w * x, the same integer as the 256-bit tile's.
+struct Q8PairTile {
+  const Q8Tile& tile;
+
+  template <int R, int P>
+  struct Step {
+    const Q8Tile& tile;
+    const PairInputs<int8_t, R, P>& in;
+    __m512* acc;  // [R][P]
+
+    template <int S>
+    void group(int64_t g, int64_t first) const {
+      const int64_t prefetch = kPrefetchColumns * tile.x.k;
+      const auto& [w, w_scales, xq, x_scales] = in;
+      __m512i magnitudes[P][S];
+      __mmask64 negative[P][S];
+      __m512 ws[P];
+      for (int p = 0; p < P; ++p) {
+        const int8_t* w0 = w[2 * p] + first * kBlock;
+        const int8_t* w1 = w[2 * p + 1] + first * kBlock;
+        for (int t = 0; t < S; t += 2) {
+          _mm_prefetch(reinterpret_cast<const char*>(w0 + prefetch + 32 * t), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(w1 + prefetch + 32 * t), _MM_HINT_T0);
+        }
+        for (int t = 0; t < S; ++t) {
+          const __m512i codes = _mm512_inserti64x4(_mm512_castsi256_si512(load32(w0 + 32 * t)), load32(w1 + 32 * t), 1);
+          negative[p][t] = _mm512_movepi8_mask(codes);
+          magnitudes[p][t] = _mm512_abs_epi8(codes);
+        }
+        ws[p] = pair_of(group_lanes<S>(w_scales[2 * p] + first), group_lanes<S>(w_scales[2 * p + 1] + first));
+      }
+      const __m512i zero = _mm512_setzero_si512();
+      for (int r = 0; r < R; ++r) {
+        const int8_t* xg = xq[r] + first * kBlock;
+        __m512i xv[S];
+        for (int t = 0; t < S; ++t) xv[t] = load32_twice(xg + 32 * t);
+        for (int p = 0; p < P; ++p) {
+          __m512i s = _mm512_dpbusd_epi32(zero, magnitudes[p][0], _mm512_mask_sub_epi8(xv[0], negative[p][0], zero, xv[0]));
+          for (int t = 1; t < S; ++t) {
+            s = _mm512_dpbusd_epi32(s, magnitudes[p][t], _mm512_mask_sub_epi8(xv[t], negative[p][t], zero, xv[t]));
+          }
+          acc[r * P + p] = accumulate_pair(s, ws[p], x_scales[r] + g * 8, acc[r * P + p]);
+        }
+      }
+    }
+  };
+
+  template <int R, int P>
+  void run(int64_t row0, int64_t col0, float* out, int64_t stride) const {  // out: [R, stride], 2P columns written
+    const PairInputs<int8_t, R, P> in(tile, row0, col0, tile.x.k);
+    __m512 acc[R * P];
+    for (int i = 0; i < R * P; ++i) acc[i] = _mm512_setzero_ps();
+    for_each_group(tile.blocks, Step<R, P>{tile, in, acc});
+    reduce_store_pairs<R, P>(acc, out, stride);
+  }
+};
+
+// A 4-column tile of `rows` (3..8) with column pairs in 512-bit vectors: 32 registers hold 8 rows' accumulators
+// (16) beside a group's unpacked weights (8), so each unpacked group serves up to 8 rows (measured: 5-16 rows
+// 5-14 % faster than 4-row pair tiles, the same at 1-4).
+template <typename PairTile>
+void run_pair_tile(const PairTile& pairs, int64_t rows, int64_t row0, int64_t col0, float* out) {
+  switch (rows) {
+    case 3: return pairs.template run<3, 2>(row0, col0, out, 4);
+    case 4: return pairs.template run<4, 2>(row0, col0, out, 4);
+    case 5: return pairs.template run<5, 2>(row0, col0, out, 4);
+    case 6: return pairs.template run<6, 2>(row0, col0, out, 4);
+    case 7: return pairs.template run<7, 2>(row0, col0, out, 4);
+    default: return pairs.template run<8, 2>(row0, col0, out, 4);
+  }
+}
+#endif
+
 // One tile of `rows` (1..4) x 4 columns into out [rows, 4]; 3-4 rows as two halves of 2 columns, so a tile's
 // accumulators stay in registers. (Measured: 5-8 rows a column at a time, each unpacked group serving 8 rows, ran
 // 4-12% slower than two 4-row tiles.)
 template <typename Tile>
 void run_tile(const Tile& tile, int64_t rows, int64_t row0, int64_t col0, float* out) {
+#if SPECD_ZMM
+  // 1-2 rows stay 256-bit: there the pairs' extra shuffles cost more than their halved dots save (measured: q4
+  // 3-19 % slower at 1-2 rows, 8-23 % faster at 4-16; bench/gemm_rows.py)
+  if (rows >= 3) {
+    if constexpr (std::is_same_v<Tile, Q4Tile>) {
+      return run_pair_tile(Q4PairTile{tile}, rows, row0, col0, out);
+    } else {
+      return run_pair_tile(Q8PairTile{tile}, rows, row0, col0, out);
+    }
+  }
+#endif
   switch (rows) {
     case 1: tile.template run<1, 4>(row0, col0, out, 4); return;
     case 2: tile.template run<2, 4>(row0, col0, out, 4); return;
@@ -446,7 +661,8 @@ void run_column(const Tile& tile, int64_t rows, int64_t row0, int64_t col, float
   }
 }
 
-// Writes out[m, n] for every row and column by tiles of up to 4 rows x 4 columns, column tiles split over threads.
+// Writes out[m, n] for every row and column by tiles of up to kMaxTileRows rows x 4 columns (the columns past the
+// last whole tile a column at a time, by up to 4 rows), column tiles split over threads.
 template <typename Tile>
 at::Tensor run_tiles(const Tile& tile, int64_t rows, int64_t cols, at::ScalarType out_dtype) {
   constexpr int64_t kCols = 4;
@@ -464,10 +680,13 @@ at::Tensor run_tiles(const Tile& tile, int64_t rows, int64_t cols, at::ScalarTyp
         if (num_cols == kCols) {
           run_tile(tile, num_rows, row0, col0, results);
         } else {
-          float column[kMaxTileRows];
+          float column[4];
           for (int64_t c = 0; c < num_cols; ++c) {
-            run_column(tile, num_rows, row0, col0 + c, column);
-            for (int64_t r = 0; r < num_rows; ++r) results[r * kCols + c] = column[r];
+            for (int64_t r0 = 0; r0 < num_rows; r0 += 4) {
+              const int64_t n = std::min<int64_t>(4, num_rows - r0);
+              run_column(tile, n, row0 + r0, col0 + c, column);
+              for (int64_t r = 0; r < n; ++r) results[(r0 + r) * kCols + c] = column[r];
+            }
           }
         }
         for (int64_t r = 0; r < num_rows; ++r) {
@@ -610,8 +829,19 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 #endif
 }
 
+// How many distinct threads at::parallel_for runs a loop of `items` on here (1 in a build without OpenMP).
+int64_t parallel_width(int64_t items) {
+  std::vector<int> used(static_cast<size_t>(std::max<int64_t>(at::get_num_threads(), 1)), 0);
+  at::parallel_for(0, items, 1, [&](int64_t, int64_t) {
+    const int thread = at::get_thread_num();
+    if (thread >= 0 && thread < static_cast<int>(used.size())) used[thread] = 1;  // each thread writes its own slot
+  });
+  return std::count(used.begin(), used.end(), 1);
+}
+
 bool uses_avx2() { return SPECD_AVX2 != 0; }
 bool uses_vnni() { return SPECD_VNNI != 0; }
+bool uses_zmm() { return SPECD_ZMM != 0; }
 
 // q4_linear's address for specd's fused decoder layer (fused_ops.cpp), which calls it between its own ops: the
 // layer then runs this very code, compiled with this file's flags, so its GEMMs are the same bits as q4_linear's
@@ -625,7 +855,9 @@ py::capsule q4_linear_capsule() {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q4_linear", &q4_linear, "int4-block weight x int8-quantised activation GEMM");
   m.def("q8_linear", &q8_linear, "int8-block weight x int8-quantised activation GEMM");
+  m.def("parallel_width", &parallel_width, "how many threads at::parallel_for runs a loop of `items` on");
   m.def("uses_avx2", &uses_avx2, "whether this build runs the AVX2 kernels");
   m.def("uses_vnni", &uses_vnni, "whether its integer dots are VNNI dpbusd (same bits, fewer instructions)");
+  m.def("uses_zmm", &uses_zmm, "whether 4-column tiles hold two columns per 512-bit vector (same bits)");
   m.def("q4_linear_capsule", &q4_linear_capsule, "q4_linear's address, for the fused decoder layer");
 }
