@@ -3,9 +3,9 @@
 setup:
 	bash scripts/setup.sh
 
-# Set up, then generate with speculation (ngram proposer, goodput k policy) on the embedded default model.
+# Set up, then generate with speculation (ngram proposer, adaptive k policy, as `make serve`) on the embedded default model.
 run: setup
-	.venv/bin/specd generate --chat --stats --spec ngram --num-spec-tokens 8 --k-policy goodput --max-tokens 128 \
+	.venv/bin/specd generate --chat --stats --spec ngram --num-spec-tokens 8 --k-policy adaptive --max-tokens 128 \
 	  "Rewrite this sentence in the passive voice: The quick brown fox jumps over the lazy dog."
 
 # Set up, lint, then run the whole test suite (unit tests on tiny models + integration on the default model).
