@@ -70,7 +70,7 @@ class _StepProgress:
     schedule_k0_causes: dict[int, K0Cause] = field(default_factory=dict)
     num_proposed: dict[int, int] = field(default_factory=dict)
     num_kept: dict[int, int] = field(default_factory=dict)
-    after_prompt: bool = False  # the previous step carried prompt chunks (or there was none): StepReport's
+    after_prompt: bool = False  # the previous step carried prompt chunks, or there was none (StepReport's)
     num_draft_forwards: int = 0  # what drafting cost, as the proposer reported it
     num_computed_draft_tokens: int = 0
     proposed: float = 0.0

@@ -6,13 +6,12 @@ source version; later processes load the cached library in milliseconds. The ins
 build time from /proc/cpuinfo (`cpu_isa`): AVX2 + FMA + F16C intrinsics where all three are listed, with VNNI's
 `dpbusd` for the integer dots where the CPU also has AVX-VNNI ("avxvnni") or AVX512-VNNI with AVX512VL
 ("avx512vnni"), and 4-column tiles with two columns per 512-bit vector where it has AVX-512 F, BW, VL, DQ and VNNI
-("avx512": half the instructions per output, 5-22 % less time per GEMM at 3-16 rows on the default model;
-1-2-row tiles stay 256-bit); the scalar C++ loops
-otherwise. Each under its own extension name, so builds never overwrite each
-other. All of them give the same bits: the integer dots are exact whichever instructions add them up. Every build
-is compiled with OpenMP, so the kernels' column tiles run on torch's intra-op threads (without -fopenmp, ATen's
-header-only `parallel_for` runs serially: until session 17 the GEMMs used one core of two, and an int4 decode step
-was ~1.5x slower for it).
+("avx512": half the instructions per output, 6-28 % less time per GEMM at 4-16 rows on the default model; tiles
+of 1-2 rows stay 256-bit); the scalar C++ loops otherwise. Each under its own extension name, so builds never
+overwrite each other. All of them give the same bits: the integer dots are exact whichever instructions add them
+up. Every build is compiled with OpenMP, so the kernels' column tiles run on torch's intra-op threads (without
+-fopenmp, ATen's header-only `parallel_for` runs serially: until session 17 the GEMMs used one core of two, and an
+int4 decode step was ~1.5x slower for it).
 
 The kernels are ON by default wherever they build: SPECD_NATIVE_KERNELS=0 opts out (the model then keeps torch's
 int4/int8 kernels), =scalar builds and uses the scalar loops even on an AVX2 CPU, =avx2 the AVX2 kernels without
