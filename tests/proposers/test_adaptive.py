@@ -388,3 +388,30 @@ def test_the_first_step_after_a_prompt_chunk_does_not_teach_the_cost() -> None:
     assert not StepReport([], 2, 0.0, 0.1, 1, True, after_prompt=True).teaches_cost
     assert not StepReport([], 2, 0.0, 0.1, 1, False).teaches_cost
     assert StepReport([], 2, 0.0, 0.1, 1, True).teaches_cost
+
+
+@pytest.mark.parametrize("free_drafts", [False, True])
+def test_plan_s_shortcut_when_drafts_are_priced_out_decides_as_choose_does(free_drafts: bool) -> None:
+    """`plan` reads only each sequence's first position when even the best one cannot pay for its row; that must be
+    exactly `choose`'s decision on the full values, on every side of the line (cheap rows, costly rows, between)."""
+    draw = random.Random(7)
+    for trial in range(40):
+        num_seqs = draw.choice([1, 2, 4, 8, 16])
+        policy = AdaptiveK(free_drafts=free_drafts)
+        seq_ids = list(range(num_seqs))
+        for seq_id in seq_ids:
+            policy.add(seq_id, draw.choice([0, 1, 3, 8]))
+            _teach_acceptance(policy, seq_id, draw.random(), steps=draw.randint(1, 30))
+        per_row = draw.choice([0.0001, 0.001, 0.003, 0.01])
+        _teach_cost(policy, lambda s, r, per_row=per_row: 0.02 + per_row * r + 0.0002 * s, [num_seqs, num_seqs + 1])
+        draft_per_position = policy.draft.per_position(num_seqs)
+        lengths = [policy._k_max[sid] for sid in seq_ids]
+        full = choose(policy._plan_values(seq_ids, lengths), num_seqs, num_seqs, num_seqs + BUDGET, policy.forward,
+                      draft_per_position)
+        shortcut = policy._priced_out(seq_ids, lengths, num_seqs, draft_per_position)
+        if shortcut is not None:
+            assert shortcut == full and full.k == [0] * num_seqs, trial
+        if full.cause == "draft":
+            assert shortcut is None, trial
+        planned = policy.plan(seq_ids, _load(num_seqs))
+        assert planned == full.k and policy.last_decision == full, trial

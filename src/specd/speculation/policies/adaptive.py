@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 from specd.speculation.k_policy import DraftSpan, EngineLoad, KPolicy, StepReport, StepView
-from specd.speculation.policies.step_cost import DraftCost, ForwardCost
+from specd.speculation.policies.step_cost import DraftCost, ForwardCost, LocalCost
 
 if TYPE_CHECKING:
     from specd.config import SpeculationConfig
@@ -166,6 +166,35 @@ class Decision(NamedTuple):
     rate_chosen: float | None
 
 
+class _Price(NamedTuple):
+    """The forward's local cost for a step, and plain decoding's seconds and tokens/s read from it."""
+
+    cost: LocalCost
+    plain_seconds: float
+    rate_plain: float
+
+
+def _price(lengths: Sequence[int], num_seqs: int, base_rows: int, forward: ForwardCost) -> _Price | None:
+    """The forward's cost read halfway between plain decoding and every draft token verified (None: not measured
+    yet), and plain decoding's seconds and emitted tokens per second from it."""
+    half = sum(lengths) // 2
+    cost = forward.at(num_seqs, base_rows + half)
+    if cost is None:
+        return None
+    plain_seconds = max(cost.seconds - cost.seconds_per_row * half, 1e-9)
+    return _Price(cost, plain_seconds, num_seqs / plain_seconds)
+
+
+def _nothing_pays(top_value: float, price: _Price, num_seqs: int, longest: int, draft_per_position: float) -> bool:
+    """Whether `choose` would keep no draft token: even the most valuable one (top_value; v_ij never grows with j,
+    so it is some sequence's position 0) is worth less than the row it takes, at the cap that makes a row look
+    cheapest (the longest: drafting's own seconds only lower a row's price relative to the step). Exact, not a
+    heuristic: it is the first test of `choose`'s loop, and lets `plan` skip building every sequence's values
+    when the load prices drafts out (at 16 sequences that was ~0.1 ms of Python per step, kept k = 0 or not)."""
+    seconds = price.plain_seconds + draft_per_position * longest
+    return top_value * seconds <= num_seqs * price.cost.seconds_per_row
+
+
 def choose(
     values: Sequence[Sequence[float]], num_seqs: int, base_rows: int, max_rows: int,
     forward: ForwardCost, draft_per_position: float,
@@ -177,17 +206,20 @@ def choose(
     count 0, 1, 2 modulo 3 and the others none: the steps then cover three row counts, which the cost fit needs (with
     one fixed k it would see two, forever), at a row or two each (every sequence exploring cost a fresh batch of 16
     ~3 % with k 1, 2, 3, and a batch of 8 ~1.4 % with 1, 0, 2, all of it before the first decision)."""
-    longest = max((len(row) for row in values), default=0)
-    cost = forward.at(num_seqs, base_rows + sum(len(row) for row in values) // 2)
-    if cost is None:
+    lengths = [len(row) for row in values]
+    price = _price(lengths, num_seqs, base_rows, forward)
+    if price is None:
         explore = [0] * len(values)
         explorer = next((i for i, row in enumerate(values) if row), None)
         if explorer is not None:
             explore_k = (EXPLORE_K, 0, EXPLORE_K + 1)[forward.num_observed % 3]
             explore[explorer] = min(len(values[explorer]), explore_k, max(0, max_rows - base_rows))
         return Decision(explore, "explore", None, None)
-    plain_seconds = max(cost.seconds - cost.seconds_per_row * (sum(len(row) for row in values) // 2), 1e-9)
-    rate_plain = num_seqs / plain_seconds
+    cost, plain_seconds, rate_plain = price
+    longest = max(lengths, default=0)
+    if _nothing_pays(max((row[0] for row in values if row), default=0.0), price, num_seqs, longest,
+                     draft_per_position):
+        return Decision([0] * len(values), "cost", rate_plain, rate_plain)
     best = (rate_plain * (1.0 + MARGIN), 0, 0)  # (rate, cap, number of tokens kept)
     # Every draft token, most valuable first; within a sequence position order breaks ties, so kept = prefixes.
     ranked = sorted((-v, j, i) for i, row in enumerate(values) for j, v in enumerate(row))
@@ -265,17 +297,13 @@ class AdaptiveK(KPolicy):
         prompt_rows = min(load.num_prompt_tokens, room)
         # (the scheduler also caps drafts at half the room while prompts are pending)
         draft_room = min(room // 2, room - prompt_rows) if load.num_prefilling else room
-        values = self.acceptance.values_of(seq_ids, _ANY_BUCKET, [self._k_max[sid] for sid in seq_ids])
-        if self.free_drafts and values:
-            # Looking drafts up costs nothing, and what one is worth depends on its bucket (ngram: a long match is
-            # copied far more reliably than a short one), which only drafting tells: plan for the best bucket and
-            # let `keep` cut. Planning from the bucket-blind mean locked a lone docqa request into k = 0 after a
-            # few early misses (only probes then measured acceptance: 1.02x against fixed k's 1.27x).
-            best = self.acceptance.best_values(max(len(row) for row in values))
-            values = [[max(v, b) for v, b in zip(row, best, strict=False)] for row in values]
-        drafting = sum(1 for sid in seq_ids if self._k_max[sid] > 0)
-        decision = choose(values, num_seqs, num_seqs, num_seqs + draft_room, self.forward,
-                          self.draft.per_position(drafting))
+        lengths = [self._k_max[sid] for sid in seq_ids]
+        drafting = sum(1 for k in lengths if k > 0)
+        draft_per_position = self.draft.per_position(drafting)
+        decision = self._priced_out(seq_ids, lengths, num_seqs, draft_per_position)
+        if decision is None:
+            decision = choose(self._plan_values(seq_ids, lengths), num_seqs, num_seqs, num_seqs + draft_room,
+                              self.forward, draft_per_position)
         self.last_decision = decision
         self.probe_interval = self._interval(num_decoding)
         ks = list(decision.k)
@@ -284,6 +312,30 @@ class AdaptiveK(KPolicy):
                 ks[i] = 1
             self._planned[sid] = ks[i]
         return ks
+
+    def _priced_out(self, seq_ids: Sequence[int], lengths: Sequence[int], num_seqs: int,
+                    draft_per_position: float) -> Decision | None:
+        """`choose`'s decision when no draft token can pay, read from every sequence's first position only;
+        None when one might (then `choose` decides from the full values)."""
+        price = _price(lengths, num_seqs, num_seqs, self.forward)
+        if price is None or not seq_ids:
+            return None
+        top = max((row[0] for row in self._plan_values(seq_ids, [min(n, 1) for n in lengths]) if row), default=0.0)
+        if not _nothing_pays(top, price, num_seqs, max(lengths), draft_per_position):
+            return None
+        return Decision([0] * len(seq_ids), "cost", price.rate_plain, price.rate_plain)
+
+    def _plan_values(self, seq_ids: Sequence[int], lengths: Sequence[int]) -> list[list[float]]:
+        """What `plan` prices each sequence's draft positions at (before drafting, so bucket-blind)."""
+        values = self.acceptance.values_of(seq_ids, _ANY_BUCKET, lengths)
+        if self.free_drafts and values:
+            # Looking drafts up costs nothing, and what one is worth depends on its bucket (ngram: a long match is
+            # copied far more reliably than a short one), which only drafting tells: plan for the best bucket and
+            # let `keep` cut. Planning from the bucket-blind mean locked a lone docqa request into k = 0 after a
+            # few early misses (only probes then measured acceptance: 1.02x against fixed k's 1.27x).
+            best = self.acceptance.best_values(max(len(row) for row in values))
+            values = [[max(v, b) for v, b in zip(row, best, strict=False)] for row in values]
+        return values
 
     def keep(self, drafts: Sequence[DraftSpan], step: StepView) -> list[int]:
         if not drafts:
