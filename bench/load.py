@@ -189,6 +189,8 @@ class PointStats:
     e2e_ms: tuple[float | None, float | None, float | None]
     acceptance_rate: float | None
     tau: float | None
+    # Output tok/s of each round when the point ran in rounds (bench/serve.py --rounds), in round order; () otherwise.
+    round_output_throughput: tuple[float, ...] = ()
 
 
 def _ms_percentiles(values: Sequence[float]) -> tuple[float | None, float | None, float | None]:
@@ -199,7 +201,9 @@ def _ms_percentiles(values: Sequence[float]) -> tuple[float | None, float | None
     return ms(50), ms(90), ms(99)
 
 
-def summarize(setting: str, mode: str, load: float, results: Sequence[RequestResult], duration_s: float) -> PointStats:
+def summarize(setting: str, mode: str, load: float, results: Sequence[RequestResult], duration_s: float,
+              round_output_throughput: Sequence[float] = ()) -> PointStats:
+    """One point from its requests' results and its duration (summed over rounds when it ran in rounds)."""
     ok = [r for r in results if r.ok]
     drafts = sum(r.drafts for r in ok)
     draft_tokens = sum(r.draft_tokens for r in ok)
@@ -215,4 +219,5 @@ def summarize(setting: str, mode: str, load: float, results: Sequence[RequestRes
         e2e_ms=_ms_percentiles([r.e2e_s for r in ok if r.e2e_s is not None]),
         acceptance_rate=accepted / draft_tokens if draft_tokens else None,
         tau=1 + accepted / drafts if drafts else None,
+        round_output_throughput=tuple(round_output_throughput),
     )

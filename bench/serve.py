@@ -8,8 +8,15 @@ of `--num-requests` streaming chat requests: at Poisson arrivals of each `--rate
 at once), and from each `--concurrency` number of clients (closed loop). With --url it measures an already
 running server instead (loopback only).
 
+`--rounds R` runs each point's requests in R parts (request i in part i % R, so every part keeps the mix), the
+settings alternating within every part (A B, then B A, ...): drift in the machine's speed over a point's tens of
+seconds then falls on every setting alike. The point pools its parts (throughput = tokens over the summed time,
+each part's drain included, the same for every setting), and the relative table adds the per-round ratio to
+`off` (median and range): the noise a pooled ratio carries, measured.
+
 Run:   .venv/bin/python bench/serve.py --settings off,goodput --rates 1,2,4,8,inf --concurrency 1,2,4,8,16,32
-       [--num-requests 64] [--server-arg=--dtype=int4 ...] [--json FILE] [--markdown FILE] [--plot FILE.png]
+       [--num-requests 64] [--rounds 8] [--server-arg=--dtype=int4 ...] [--json FILE] [--markdown FILE]
+       [--plot FILE.png]
 Smoke: .venv/bin/python bench/serve.py --num-requests 4 --warmup 1 --rates inf --concurrency 1
 
 Per point: completed requests, request and output-token throughput over the point's duration (first send to last
@@ -43,8 +50,11 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from load import (
     PointStats,
+    RequestResult,
+    WorkItem,
     build_workload,
     one_request,
+    percentile,
     poisson_arrivals,
     run_closed_loop,
     run_open_loop,
@@ -141,17 +151,32 @@ def measure(urls: dict[str, str], args: argparse.Namespace) -> list[PointStats]:
                                                                      args.concurrency]
             points = []
             for number, (mode, load) in enumerate(loads):
-                order = list(clients) if number % 2 == 0 else list(reversed(clients))
-                for setting in order:
-                    client, model = clients[setting], models[setting]
-                    if mode == "rate":
-                        send_times = poisson_arrivals(len(items), load, args.seed)
-                        results, seconds = await run_open_loop(client, model, items, send_times, args.temperature,
-                                                               args.ignore_eos)
-                    else:
-                        results, seconds = await run_closed_loop(client, model, items, int(load), args.temperature,
-                                                                 args.ignore_eos)
-                    points.append(_report(summarize(setting, mode, load, results, seconds), results))
+                results: dict[str, list[RequestResult]] = {setting: [] for setting in clients}
+                seconds: dict[str, list[float]] = {setting: [] for setting in clients}
+                rates: dict[str, list[float]] = {setting: [] for setting in clients}
+                for index, part in enumerate(rounds_of(items, args.rounds)):
+                    order = list(clients) if (number + index) % 2 == 0 else list(reversed(clients))
+                    for setting in order:
+                        client, model = clients[setting], models[setting]
+                        if mode == "rate":
+                            send_times = poisson_arrivals(len(part), load, args.seed + index)
+                            got, took = await run_open_loop(client, model, part, send_times, args.temperature,
+                                                            args.ignore_eos)
+                        else:
+                            got, took = await run_closed_loop(client, model, part, int(load), args.temperature,
+                                                              args.ignore_eos)
+                        results[setting] += got
+                        seconds[setting].append(took)
+                        rates[setting].append(sum(r.completion_tokens for r in got if r.ok) / max(took, 1e-9))
+                    if args.rounds > 1:
+                        done = ", ".join(f"{setting} {rates[setting][-1]:.1f}" for setting in clients)
+                        print(f"  {_load_of(mode, load)} round {index + 1}/{args.rounds}: out tok/s {done}",
+                              file=sys.stderr, flush=True)
+                first = list(clients) if number % 2 == 0 else list(reversed(clients))
+                for setting in first:
+                    point = summarize(setting, mode, load, results[setting], sum(seconds[setting]),
+                                      rates[setting] if args.rounds > 1 else ())
+                    points.append(_report(point, results[setting]))
             return points
         finally:
             for client in clients.values():
@@ -172,9 +197,19 @@ def _num(value: float | None, digits: int = 1) -> str:
 
 
 def _load(point: PointStats) -> str:
-    if point.mode == "rate":
-        return "inf req/s" if math.isinf(point.load) else f"{point.load:g} req/s"
-    return f"conc {point.load:g}"
+    return _load_of(point.mode, point.load)
+
+
+def _load_of(mode: str, load: float) -> str:
+    if mode == "rate":
+        return "inf req/s" if math.isinf(load) else f"{load:g} req/s"
+    return f"conc {load:g}"
+
+
+def rounds_of(items: Sequence[WorkItem], rounds: int) -> list[list[WorkItem]]:
+    """The point's workload in `rounds` parts, item i in part i % rounds: every part keeps the mix of kinds and
+    output lengths, and together they are the whole workload, each item once."""
+    return [list(items[index::rounds]) for index in range(min(rounds, len(items)))]
 
 
 COLUMNS = ["setting", "load", "done", "req/s", "out tok/s", "TTFT p50/p90/p99", "TPOT p50/p90/p99",
@@ -202,12 +237,21 @@ def markdown(points: Sequence[PointStats]) -> str:
     baseline = {(p.mode, p.load): p for p in points if p.setting == "off"}
     others = [p for p in points if p.setting != "off" and (p.mode, p.load) in baseline]
     if others:
-        lines += ["", "| setting | load | out tok/s vs off | TPOT p50 speed-up vs off |", "|---|---|---|---|"]
+        in_rounds = any(len(p.round_output_throughput) > 1 for p in points)
+        extra = " per-round out tok/s vs off: median (min-max) |" if in_rounds else ""
+        lines += ["", "| setting | load | out tok/s vs off | TPOT p50 speed-up vs off |" + extra,
+                  "|---|---|---|---|" + ("---|" if in_rounds else "")]
         for p in others:
             off = baseline[(p.mode, p.load)]
             throughput = p.output_throughput / off.output_throughput if off.output_throughput else None
             tpot = off.tpot_ms[0] / p.tpot_ms[0] if off.tpot_ms[0] and p.tpot_ms[0] else None
-            lines.append(f"| {p.setting} | {_load(p)} | {_num(throughput, 3)}x | {_num(tpot, 3)}x |")
+            line = f"| {p.setting} | {_load(p)} | {_num(throughput, 3)}x | {_num(tpot, 3)}x |"
+            if in_rounds:
+                ratios = sorted(a / b for a, b in zip(p.round_output_throughput, off.round_output_throughput,
+                                                      strict=True) if b > 0)
+                spread = f"{percentile(ratios, 50):.3f}x ({ratios[0]:.3f}-{ratios[-1]:.3f})" if ratios else "-"
+                line += f" {spread} |"
+            lines.append(line)
     return "\n".join(lines)
 
 
@@ -258,6 +302,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--rates", default="1,2,4,8,inf", help="open-loop Poisson rates in requests/s ('' = none)")
     parser.add_argument("--concurrency", default="1,2,4,8,16,32", help="closed-loop client counts ('' = none)")
     parser.add_argument("--num-requests", type=int, default=64, help="requests per point")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run each point's requests in this many parts, the settings alternating per part")
     parser.add_argument("--warmup", type=int, default=4, help="unmeasured requests per server before its points")
     parser.add_argument("--kinds", default=",".join(KINDS), help="prompt kinds of the mix, from bench/prompts.py")
     parser.add_argument("--seed", type=int, default=0, help="workload and arrival seed (same for every setting)")
@@ -291,6 +337,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         parser.error("--rates and --concurrency are both empty: nothing to measure")
     if args.num_requests < 1 or args.warmup < 0:
         parser.error("--num-requests must be >= 1 and --warmup >= 0")
+    if not 1 <= args.rounds <= args.num_requests:
+        parser.error(f"--rounds must be between 1 and --num-requests ({args.num_requests}), got {args.rounds}")
     if len(set(args.settings)) != len(args.settings):
         parser.error("--settings: a setting is named twice (off-again is a second server with speculation off)")
     if unknown := [s for s in args.settings if s not in SPEC_ARGS]:

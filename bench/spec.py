@@ -8,8 +8,10 @@
 Greedy, stopping at EOS like a real user; tokens/s counts the tokens actually generated. For each prompt
 kind (bench/prompts.py) and batch size: batch 1 runs the first --num-prompts prompts one at a time, batch 8
 runs eight prompts of the kind in one generate call. Plain decoding (speculation off) is measured at the
-start and at the end of every (kind, batch) group and speed-ups divide by the mean of the two rates, so a
-change of machine load during the group is visible (stderr prints both) and shared by both sides. One target
+start of every round of a (kind, batch) group and once more at its end, and speed-ups divide by the plain rate
+over all of them, so a change of machine load during the group is visible (stderr prints each) and shared by
+both sides. With --repeats > 1 a `per round` column gives each setting's speed-up round by round (each run over
+the plain runs just before and after it) as median (min-max): the noise the pooled speed-up carries. One target
 model is loaded and shared by every configuration; each configuration gets a fresh LLM around it, so its
 get_metrics() covers exactly that run (acceptance A/T, A/D, tau = 1 + A/D, tokens per target forward, all
 pooled). `match` is the share of requests whose token ids equal plain decoding's (greedy is lossless).
@@ -113,6 +115,8 @@ class Row:
     accepted_tokens_per_draft: float | None = None  # A / D
     tau: float | None = None  # 1 + A / D
     tokens_per_forward: float | None = None  # emitted tokens / target forwards (steps)
+    # Per round: the run's rate over the mean of the plain runs before and after it (the noise `speedup` carries).
+    round_speedups: tuple[float, ...] = ()
 
 
 def settings_for(args: argparse.Namespace) -> list[Setting]:
@@ -216,14 +220,17 @@ def measure_group(
 ) -> Group:
     """`repeats` rounds of [plain, every setting], then plain once more; each rate is total tokens over total
     seconds of its runs, so load changes during the group hit every setting alike. Speed-ups divide by the
-    plain rate over all plain runs."""
+    plain rate over all plain runs; each row also carries its per-round speed-ups (each run against the plain runs
+    that bracket it)."""
     plain_runs: list[Run] = []
     runs: dict[Setting, Run] = {}
+    rounds: dict[Setting, list[Run]] = {}
     for _ in range(repeats):
         plain_runs.append(run_one(Setting("off")))
         for setting in settings:
             run = run_one(setting)
             runs[setting] = runs[setting].merged(run) if setting in runs else run
+            rounds.setdefault(setting, []).append(run)
             progress(f"{engine} {kind} b{batch} {setting.label} k={setting.k} {setting.policy}: "
                      f"{run.rate:.1f} tok/s, {run.seconds:.1f}s")
     plain_runs.append(run_one(Setting("off")))
@@ -236,8 +243,25 @@ def measure_group(
         make_row(engine, kind, batch, Setting("off"), plain, plain_runs[0], plain.rate),
         speedup=1.0, match=min(match_rate(r, plain_runs[0]) for r in plain_runs),
     )
-    rows = [make_row(engine, kind, batch, s, r, plain_runs[0], plain.rate) for s, r in runs.items()]
+    rows = [replace(make_row(engine, kind, batch, s, r, plain_runs[0], plain.rate),
+                    round_speedups=round_speedups(rounds[s], plain_runs) if repeats > 1 else ())
+            for s, r in runs.items()]
     return Group([plain_row, *rows], plain_runs[0])
+
+
+def round_speedups(runs: Sequence[Run], plain_runs: Sequence[Run]) -> tuple[float, ...]:
+    """Run i's rate over the mean rate of plain runs i and i + 1 (the ones measured just before and after it)."""
+    return tuple(run.rate / ((plain_runs[i].rate + plain_runs[i + 1].rate) / 2) for i, run in enumerate(runs))
+
+
+def spread(values: Sequence[float]) -> str:
+    """'median (min-max)' of a row's per-round speed-ups, '-' without rounds."""
+    if len(values) < 2:
+        return "-"
+    ordered = sorted(values)
+    middle = len(ordered) // 2
+    median = ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
+    return f"{median:.2f} ({ordered[0]:.2f}-{ordered[-1]:.2f})"
 
 
 def fmt(value: float | None) -> str | float:
@@ -245,12 +269,14 @@ def fmt(value: float | None) -> str | float:
 
 
 def table(rows: list[Row]) -> str:
+    """The rows as markdown; with rounds, a column of each row's per-round speed-ups (median, range)."""
+    in_rounds = any(r.round_speedups for r in rows)
     headers = ["kind", "batch", "method", "k", "policy", "tok/s", "speedup", "match", "accept", "A/D", "tau",
-               "tok/fwd", "tokens"]
+               "tok/fwd", "tokens"] + (["per round"] if in_rounds else [])
     return markdown_table(headers, [
         [r.kind, r.batch, r.method if r.engine == "specd" else f"hf {r.method}", r.k or "-", r.policy,
          r.tokens_per_s, r.speedup, r.match, fmt(r.acceptance_rate), fmt(r.accepted_tokens_per_draft), fmt(r.tau),
-         fmt(r.tokens_per_forward), r.tokens]
+         fmt(r.tokens_per_forward), r.tokens] + ([spread(r.round_speedups)] if in_rounds else [])
         for r in rows
     ])
 
