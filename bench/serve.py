@@ -154,9 +154,9 @@ def measure(urls: dict[str, str], args: argparse.Namespace) -> list[PointStats]:
                 results: dict[str, list[RequestResult]] = {setting: [] for setting in clients}
                 seconds: dict[str, list[float]] = {setting: [] for setting in clients}
                 rates: dict[str, list[float]] = {setting: [] for setting in clients}
+                first = list(clients) if number % 2 == 0 else list(reversed(clients))
                 for index, part in enumerate(rounds_of(items, args.rounds)):
-                    order = list(clients) if (number + index) % 2 == 0 else list(reversed(clients))
-                    for setting in order:
+                    for setting in first if index % 2 == 0 else reversed(first):
                         client, model = clients[setting], models[setting]
                         if mode == "rate":
                             send_times = poisson_arrivals(len(part), load, args.seed + index)
@@ -172,7 +172,6 @@ def measure(urls: dict[str, str], args: argparse.Namespace) -> list[PointStats]:
                         done = ", ".join(f"{setting} {rates[setting][-1]:.1f}" for setting in clients)
                         print(f"  {_load_of(mode, load)} round {index + 1}/{args.rounds}: out tok/s {done}",
                               file=sys.stderr, flush=True)
-                first = list(clients) if number % 2 == 0 else list(reversed(clients))
                 for setting in first:
                     point = summarize(setting, mode, load, results[setting], sum(seconds[setting]),
                                       rates[setting] if args.rounds > 1 else ())

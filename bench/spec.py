@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -258,10 +259,7 @@ def spread(values: Sequence[float]) -> str:
     """'median (min-max)' of a row's per-round speed-ups, '-' without rounds."""
     if len(values) < 2:
         return "-"
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    median = ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
-    return f"{median:.2f} ({ordered[0]:.2f}-{ordered[-1]:.2f})"
+    return f"{statistics.median(values):.2f} ({min(values):.2f}-{max(values):.2f})"
 
 
 def fmt(value: float | None) -> str | float:
