@@ -115,11 +115,11 @@ class Runner(Protocol):
 
 
 class SpecdRunner:
-    def __init__(self, dtype: str, threads: int | None) -> None:
+    def __init__(self, dtype: str, threads: int | None, model: str = "default") -> None:
         from specd.llm import LLM
 
         kwargs: dict[str, Any] = {} if dtype == "default" else {"dtype": dtype}
-        self.llm = LLM("default", max_num_seqs=8, num_threads=threads, **kwargs)
+        self.llm = LLM(model, max_num_seqs=8, num_threads=threads, **kwargs)
 
     def run(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> RunTiming:
         from specd.sampling.params import SamplingParams
@@ -135,18 +135,34 @@ class SpecdRunner:
         return clock.result()
 
 
+_QUIET: list[Any] = []  # the ctypes callback must outlive every llama.cpp call
+
+
+def quiet_llama_cpp() -> None:
+    """Route llama.cpp's own log lines (a line per tensor while loading or quantizing) to nowhere."""
+    import llama_cpp
+
+    if not _QUIET:
+        _QUIET.append(llama_cpp.llama_log_callback(lambda level, text, user_data: None))
+        llama_cpp.llama_log_set(_QUIET[0], None)
+
+
 class LlamaCppRunner:
     """llama.cpp's own decode loop, driven from Python: one `llama_decode` per step for the whole batch."""
 
-    def __init__(self, threads: int | None, n_ctx_per_seq: int = 2048, max_batch: int = 8) -> None:
+    def __init__(self, threads: int | None, n_ctx_per_seq: int = 2048, max_batch: int = 8,
+                 model_path: Path | None = None) -> None:
         import llama_cpp
         import numpy as np
 
         self.lib, self.np = llama_cpp, np
+        quiet_llama_cpp()
         llama_cpp.llama_backend_init()
         self.model = llama_cpp.llama_model_load_from_file(
-            str(default_gguf()).encode(), llama_cpp.llama_model_default_params()
+            str(model_path or default_gguf()).encode(), llama_cpp.llama_model_default_params()
         )
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not load {model_path or default_gguf()}")
         self.n_vocab = llama_cpp.llama_vocab_n_tokens(llama_cpp.llama_model_get_vocab(self.model))
         self.n_batch = 512
         threads = threads or os.cpu_count() or 1
@@ -173,6 +189,15 @@ class LlamaCppRunner:
     def _argmax(self, ctx: Any, row: int) -> int:
         logits = self.np.ctypeslib.as_array(self.lib.llama_get_logits_ith(ctx, row), shape=(self.n_vocab,))
         return int(logits.argmax())
+
+    def all_logits(self, token_ids: Sequence[int]) -> Any:  # [len - 1, vocab] float32 numpy
+        """Row i: the logits after tokens 0..i, from one prefill that keeps every row (bench/scale.py)."""
+        ctx = self.contexts[1]
+        self.lib.llama_memory_clear(self.lib.llama_get_memory(ctx), True)
+        ids = list(token_ids)[: self.n_batch]
+        self._decode(ctx, [(t, j, 0, True) for j, t in enumerate(ids)])
+        return self.np.stack([self.np.ctypeslib.as_array(self.lib.llama_get_logits_ith(ctx, j), shape=(self.n_vocab,))
+                              for j in range(len(ids) - 1)]).astype(self.np.float32)
 
     def run(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> RunTiming:
         ctx = self.contexts[1 if len(prompts) == 1 else max(self.contexts)]

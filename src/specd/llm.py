@@ -21,6 +21,7 @@ from specd.metrics.stats import StatsSink
 from specd.metrics.trace import TraceSink
 from specd.model.llama import LlamaForCausalLM, build_model
 from specd.model.loader import load_checkpoint
+from specd.model.memory import available_memory, check_fits, estimate_memory
 from specd.model.tokenizer import Tokenizer
 from specd.sampling.params import SamplingParams
 from specd.speculation.proposer import Proposer
@@ -67,7 +68,10 @@ class LLM:
         **engine_kwargs: Any,
     ) -> None:
         config = EngineConfig(model=model, speculation=speculation or SpeculationConfig(), **engine_kwargs)
-        checkpoint = load_checkpoint(config.model, config.load_dtype)
+        checkpoint = load_checkpoint(config.model, config.load_dtype)  # the header: weights are read when built
+        estimate = estimate_memory(checkpoint.state_dict, checkpoint.config, config.torch_dtype, config.int4_weights,
+                                   config.max_num_seqs, config.max_model_len)
+        check_fits(estimate, available_memory(), checkpoint.source)
         target = build_model(
             checkpoint.config, checkpoint.state_dict, config.torch_dtype, max_positions=config.max_model_len,
             int4=config.int4_weights,

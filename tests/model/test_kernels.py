@@ -1,6 +1,7 @@
 """specd's native block-quantised GEMM kernels: against a float64 model of their maths, row independence, the
 scalar build, and the fallback to torch's kernels when the extension cannot be built."""
 
+import functools
 import itertools
 import warnings
 
@@ -14,12 +15,20 @@ from specd.kernels.blockquant import (
     quantize_activations,
     quantize_q4,
     quantize_q8,
+    quantize_q8_halves,
     reference_linear,
 )
 
 VNNI_BUILDS = ("avx512", "avxvnni", "avx512vnni")
 BUILD_CPU_FLAGS = {"avx512": set(specd.kernels._AVX512_FLAGS), "avxvnni": {"avx_vnni"},
                    "avx512vnni": {"avx512_vnni", "avx512vl"}}
+
+
+# Every scale layout the kernels read (quant_gemm.cpp): float16 per block (GGUF Q4_0/Q4_1/Q8_0), float32 per block
+# (Q4_K), float32 per 16 inputs in lane order (Q6_K).
+quantize_q4_f32 = functools.partial(quantize_q4, scale_dtype=torch.float32)
+LAYOUTS = [quantize_q4, quantize_q4_f32, quantize_q8, quantize_q8_halves]
+LAYOUT_IDS = ["q4", "q4-f32", "q8", "q8-halves"]
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +44,7 @@ def _weights(out_features=200, in_features=192, seed=0):
     return torch.randn(out_features, in_features)
 
 
-@pytest.mark.parametrize("quantize", [quantize_q4, quantize_q8], ids=["q4", "q8"])
+@pytest.mark.parametrize("quantize", LAYOUTS, ids=LAYOUT_IDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_equals_its_float64_model_up_to_float32_accumulation(native, quantize, dtype):
     weight = quantize(_weights())
@@ -49,7 +58,7 @@ def test_kernel_equals_its_float64_model_up_to_float32_accumulation(native, quan
     torch.testing.assert_close(weight.linear(native, x), got.to(dtype), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("quantize", [quantize_q4, quantize_q8], ids=["q4", "q8"])
+@pytest.mark.parametrize("quantize", LAYOUTS, ids=LAYOUT_IDS)
 def test_kernel_is_close_to_the_dense_product_within_the_quantisation_error(native, quantize):
     weight = quantize(_weights())
     x = torch.randn(5, 192)
@@ -63,7 +72,7 @@ def test_kernel_is_close_to_the_dense_product_within_the_quantisation_error(nati
     assert err.max() > 0  # the activations really are quantised (a float path would pass the bound trivially)
 
 
-@pytest.mark.parametrize("quantize", [quantize_q4, quantize_q8], ids=["q4", "q8"])
+@pytest.mark.parametrize("quantize", LAYOUTS, ids=LAYOUT_IDS)
 def test_a_row_gives_the_same_bits_alone_and_among_others(native, quantize):
     weight = quantize(_weights(out_features=96))
     x = torch.randn(33, 192).to(torch.bfloat16)
@@ -73,7 +82,7 @@ def test_a_row_gives_the_same_bits_alone_and_among_others(native, quantize):
     assert torch.equal(weight.linear(native, x[5:9], float_out=True), together[5:9])
 
 
-@pytest.mark.parametrize("quantize", [quantize_q4, quantize_q8], ids=["q4", "q8"])
+@pytest.mark.parametrize("quantize", LAYOUTS, ids=LAYOUT_IDS)
 @pytest.mark.parametrize("out_features", [8, 10])  # whole 4-column tiles, and two columns left over
 # 1, 2 and 3 blocks alone (a group of one, of two, of two and one), whole groups of four, and whole groups followed
 # by each of those; 256 and 352 rows have 8 and 11 blocks (the min term's 8-block loads, whole and with a rest)
@@ -103,7 +112,7 @@ def test_the_kernels_split_their_columns_over_torchs_threads_with_the_same_bits(
         results = {}
         for threads in (1, 2, 3):
             torch.set_num_threads(threads)
-            for quantize in (quantize_q4, quantize_q8):
+            for quantize in LAYOUTS:
                 weight = quantize(_weights(out_features=203, in_features=224, seed=7))
                 x = torch.randn(16, 224, generator=torch.Generator().manual_seed(5))
                 results.setdefault(quantize, []).append(weight.linear(module, x, float_out=True))
@@ -115,7 +124,7 @@ def test_the_kernels_split_their_columns_over_torchs_threads_with_the_same_bits(
         assert all(torch.equal(outputs[0], out) for out in outputs[1:])
 
 
-@pytest.mark.parametrize("quantize", [quantize_q4, quantize_q8], ids=["q4", "q8"])
+@pytest.mark.parametrize("quantize", LAYOUTS, ids=LAYOUT_IDS)
 def test_the_group_order_is_a_permutation_of_the_block_order(quantize):
     weight = quantize(_weights(out_features=3, in_features=352))  # two groups of four, one of two, one of one
     block_order = weight.block_codes()
@@ -284,7 +293,7 @@ def test_a_vnni_build_gives_the_avx2_builds_bits(isa):
     assert vnni.uses_vnni() and not avx2.uses_vnni()
     assert vnni.uses_zmm() == (isa == "avx512") and not avx2.uses_zmm()
     torch.manual_seed(3)
-    shapes = itertools.product((quantize_q4, quantize_q8), (192, 224, 352), (1, 2, 3, 4, 5, 7, 9, 16))
+    shapes = itertools.product(LAYOUTS, (192, 224, 352), (1, 2, 3, 4, 5, 7, 9, 16))
     for quantize, in_features, rows in shapes:
         weight = quantize(_weights(out_features=203, in_features=in_features, seed=rows))
         for dtype in (torch.float32, torch.bfloat16):

@@ -19,18 +19,34 @@ from specd.model.llama import LlamaForCausalLM
 _ROWS_PER_CHUNK = 256  # logits rows at once: 256 x a 49k vocabulary is 50 MB of float32
 
 
+def _final_hidden(model: LlamaForCausalLM, ids: list[int]) -> torch.Tensor:  # [len(ids), hidden_size]
+    cache = model.make_cache(1, len(ids))
+    slot = cache.allocate()
+    cache.reserve(len(ids))
+    batch = ForwardBatch.build([ids], [slot], [0], [[len(ids) - 1]])
+    hidden = model.forward_with_hidden(batch, cache, hidden_layers=[-1]).hidden_states
+    assert hidden is not None
+    return hidden
+
+
+@torch.inference_mode()
+def prompt_logits(model: LlamaForCausalLM, token_ids: Sequence[int]) -> torch.Tensor:  # [len - 1, vocab] float32+
+    """Row i: the logits of the token after tokens 0..i (teacher-forced next-token distributions, bench/scale.py)."""
+    ids = [int(t) for t in token_ids]
+    if len(ids) < 2:
+        return torch.empty(0, model.config.vocab_size)
+    hidden = _final_hidden(model, ids)
+    return torch.cat([model.compute_logits(hidden[first:min(first + _ROWS_PER_CHUNK, len(ids) - 1)])
+                      for first in range(0, len(ids) - 1, _ROWS_PER_CHUNK)])
+
+
 @torch.inference_mode()
 def prompt_logprobs(model: LlamaForCausalLM, token_ids: Sequence[int], top_n: int) -> list[TokenLogprob]:
     """Entry i is token i + 1 given tokens 0..i (the first token has no logprob), with the top_n alternatives."""
     ids = [int(t) for t in token_ids]
     if len(ids) < 2:
         return []
-    cache = model.make_cache(1, len(ids))
-    slot = cache.allocate()
-    cache.reserve(len(ids))
-    batch = ForwardBatch.build([ids], [slot], [0], [[len(ids) - 1]])
-    hidden = model.forward_with_hidden(batch, cache, hidden_layers=[-1]).hidden_states  # [len(ids), hidden_size]
-    assert hidden is not None
+    hidden = _final_hidden(model, ids)  # [len(ids), hidden_size]
     out: list[TokenLogprob] = []
     for first in range(0, len(ids) - 1, _ROWS_PER_CHUNK):
         last = min(first + _ROWS_PER_CHUNK, len(ids) - 1)

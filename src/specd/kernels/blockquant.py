@@ -1,8 +1,10 @@
-"""Block-quantised weights for the native kernels (blocks of 32 inputs, float16 block scales).
+"""Block-quantised weights for the native kernels (blocks of 32 inputs).
 
-q4: w = scale * q + min with q in 0..15 (a GGUF Q4_1 block: its codes and float16 scale/min are recovered
-exactly from the dequantized weights). q8: w = scale * q with q in -127..127 (a GGUF Q8_0 block, recovered
-exactly likewise). `Q4Weight.linear` / `Q8Weight.linear` run the native kernel, which also quantises each
+q4: w = scale * q + min with q in 0..15; q8: w = scale * q with q in -127..127. Scales come in three layouts
+(quant_gemm.cpp): float16 per block (GGUF Q4_0, Q4_1, Q8_0 store exactly these), float32 per block (GGUF Q4_K's
+d * sc and dmin * m), and, for q8, float32 per 16 inputs in the kernel's lane order (GGUF Q6_K's sub-blocks).
+model/gguf_blocks.py builds them from a file's blocks without a float round trip.
+`Q4Weight.linear` / `Q8Weight.linear` run the native kernel, which also quantises each
 activation row per block of 32 to int8; `reference_linear` is the same arithmetic in float64 for tests.
 
 The codes are stored in the kernel's group order (quant_gemm.cpp): blocks are grouped by four (then a two, then a
@@ -54,24 +56,96 @@ def _group_positions(in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
     return q8, q4
 
 
-def _to_group_order(codes: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # [out, n] -> [out, n]
-    grouped = torch.empty_like(codes)
-    grouped[:, positions] = codes
-    return grouped
+@functools.cache
+def _lane_maps(blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(to_lanes, to_halves) for per-16 scales: lanes[:, j] = halves[:, to_lanes[j]] with halves [out, blocks * 2]
+    (block b's half h at b * 2 + h) and lanes [out, groups * 8] (group g's lane (h, i) at g * 8 + h * 4 + i, the
+    scale of half h of block first + i % S); halves[:, i] = lanes[:, to_halves[i]] back."""
+    to_lanes: list[int] = []
+    to_halves = [0] * (blocks * 2)
+    block = 0
+    while block < blocks:
+        first, size = _group_of(block, blocks)
+        group = len(to_lanes) // 8
+        for h in range(2):
+            for i in range(4):
+                to_lanes.append((first + i % size) * 2 + h)
+            for b in range(size):
+                to_halves[(first + b) * 2 + h] = group * 8 + h * 4 + b
+        block = first + size
+    return torch.tensor(to_lanes), torch.tensor(to_halves)
 
 
-def _to_block_order(codes: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:  # [out, n] -> [out, n]
-    return codes[:, positions].contiguous()
+def halves_to_lanes(halves: torch.Tensor) -> torch.Tensor:  # [out, blocks, 2] float32 -> [out, groups * 8]
+    """Per-16 scales (half h of block b at [:, b, h]) in the q8 kernel's lane order (F32Lanes)."""
+    out_features, blocks, _ = halves.shape
+    return halves.reshape(out_features, blocks * 2)[:, _lane_maps(blocks)[0]].contiguous()
+
+
+def lanes_to_halves(lanes: torch.Tensor, blocks: int) -> torch.Tensor:  # [out, groups * 8] -> [out, blocks, 2]
+    return lanes[:, _lane_maps(blocks)[1]].view(lanes.shape[0], blocks, 2)
+
+
+# Within a whole group of four blocks the group order is a transpose: q8 code (block b, half h, u, e) moves to
+# (u, h, b, e), and q4 byte (b, u, e) to (u, b, e) (_group_positions with S = 4). Whole groups take these views (one
+# copy); only a row's tail (a group of two, or of one) goes through the position map.
+_GROUP_SHAPE = {True: (4, 2, 4, 4), False: (4, 4, 4)}  # q8, q4: the axes of one group after [rows, groups]
+_GROUP_SWAP = {True: (0, 1, 4, 3, 2, 5), False: (0, 1, 3, 2, 4)}
+
+
+def _reorder(codes: torch.Tensor, q8: bool, to_group: bool) -> torch.Tensor:  # [out, n] -> [out, n]
+    out_features, width = codes.shape
+    in_features = width if q8 else width * 2
+    per_group = (BLOCK if q8 else BLOCK // 2) * GROUP_BLOCKS
+    whole = width // per_group * per_group
+    shape, swap = _GROUP_SHAPE[q8], _GROUP_SWAP[q8]
+    result = torch.empty_like(codes)
+    if whole:
+        if to_group:
+            grouped = codes[:, :whole].reshape(out_features, -1, *shape).permute(*swap)
+        else:  # the grouped axes read back in block order
+            grouped_shape = tuple(shape[axis - 2] for axis in swap[2:])
+            inverse = tuple(swap.index(axis) for axis in range(len(swap)))
+            grouped = codes[:, :whole].reshape(out_features, -1, *grouped_shape).permute(*inverse)
+        result[:, :whole] = grouped.reshape(out_features, whole)
+    if whole < width:
+        tail = _group_positions(in_features)[0 if q8 else 1][whole:]
+        if to_group:
+            result[:, tail] = codes[:, whole:]
+        else:
+            result[:, whole:] = codes[:, tail]
+    return result
+
+
+def _to_group_order(codes: torch.Tensor, q8: bool) -> torch.Tensor:  # [out, n] block order -> group order
+    return _reorder(codes, q8, to_group=True)
+
+
+def _to_block_order(codes: torch.Tensor, q8: bool) -> torch.Tensor:  # [out, n] group order -> block order
+    return _reorder(codes, q8, to_group=False)
 
 
 class Q4Weight(NamedTuple):
     codes: torch.Tensor  # [out, in // 2] uint8 in group order; in block order byte i of a block holds inputs i
     # (low nibble) and i + 16 (high)
-    scales: torch.Tensor  # [out, in // 32] float16
-    mins: torch.Tensor  # [out, in // 32] float16
+    scales: torch.Tensor  # [out, in // 32] float16, or float32 (both the same dtype)
+    mins: torch.Tensor  # [out, in // 32] float16, or float32
+
+    @classmethod
+    def from_block_order(cls, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor) -> Q4Weight:
+        """codes: [out, in // 2] uint8 in block order (GGUF Q4_1's nibble order); scales, mins: [out, in // 32]."""
+        grouped = _to_group_order(codes, q8=False)
+        return cls(grouped, scales.contiguous(), mins.contiguous())
+
+    def rows(self, index: torch.Tensor | slice) -> Q4Weight:  # index: [n] int64 or a slice -> those output rows
+        return Q4Weight(self.codes[index], self.scales[index], self.mins[index])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self)
 
     def block_codes(self) -> torch.Tensor:  # [out, in // 2] uint8 in block order (GGUF Q4_1's)
-        return _to_block_order(self.codes, _group_positions(self.codes.shape[1] * 2)[1])
+        return _to_block_order(self.codes, q8=False)
 
     def dequantize(self) -> torch.Tensor:  # [out, in] float32
         out_features, half = self.codes.shape
@@ -87,15 +161,40 @@ class Q4Weight(NamedTuple):
 
 class Q8Weight(NamedTuple):
     codes: torch.Tensor  # [out, in] int8 in group order
-    scales: torch.Tensor  # [out, in // 32] float16
+    scales: torch.Tensor  # [out, in // 32] float16, or [out, groups * 8] float32 per 16 inputs in lane order
+
+    @classmethod
+    def from_block_order(cls, codes: torch.Tensor, scales: torch.Tensor) -> Q8Weight:
+        """codes: [out, in] int8 in block order; scales: [out, in // 32] float16, or per-16 float32 scales as
+        [out, in // 32, 2] (half h of block b at [:, b, h]), stored in lane order."""
+        grouped = _to_group_order(codes, q8=True)
+        return cls(grouped, halves_to_lanes(scales) if scales.dim() == 3 else scales.contiguous())
+
+    @property
+    def per_half(self) -> bool:
+        """Whether each 16 inputs of a block have their own (float32) scale."""
+        return self.scales.dtype == torch.float32
+
+    def half_scales(self) -> torch.Tensor:  # [out, in // 32, 2] float32: the scale of each 16 inputs
+        blocks = self.codes.shape[1] // BLOCK
+        if self.per_half:
+            return lanes_to_halves(self.scales, blocks)
+        return self.scales.float().unsqueeze(-1).expand(-1, -1, 2)
+
+    def rows(self, index: torch.Tensor | slice) -> Q8Weight:  # index: [n] int64 or a slice -> those output rows
+        return Q8Weight(self.codes[index], self.scales[index])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self)
 
     def block_codes(self) -> torch.Tensor:  # [out, in] int8 in block order (GGUF Q8_0's)
-        return _to_block_order(self.codes, _group_positions(self.codes.shape[1])[0])
+        return _to_block_order(self.codes, q8=True)
 
     def dequantize(self) -> torch.Tensor:  # [out, in] float32
         out_features, in_features = self.codes.shape
-        blocks = self.block_codes().view(out_features, -1, BLOCK).float()
-        return (blocks * self.scales.float().unsqueeze(-1)).view(out_features, in_features)
+        halves = self.block_codes().view(out_features, -1, 2, BLOCK // 2).float()  # [out, blocks, 2, 16]
+        return (halves * self.half_scales().unsqueeze(-1)).view(out_features, in_features)
 
     def linear(self, kernels: ModuleType, x: torch.Tensor, float_out: bool = False) -> torch.Tensor:
         return kernels.q8_linear(x.contiguous(), self.codes, self.scales, float_out)
@@ -106,17 +205,18 @@ def fits(weight_shape: torch.Size | tuple[int, ...]) -> bool:
     return len(weight_shape) == 2 and weight_shape[1] % BLOCK == 0 and weight_shape[1] > 0
 
 
-def quantize_q4(weight: torch.Tensor) -> Q4Weight:  # [out, in] float, in % 32 == 0
-    """Asymmetric 4-bit per block of 32: min = the block's minimum, scale = (max - min) / 15, both float16."""
+def quantize_q4(weight: torch.Tensor, scale_dtype: torch.dtype = torch.float16) -> Q4Weight:  # [out, in], in % 32 == 0
+    """Asymmetric 4-bit per block of 32: min = the block's minimum, scale = (max - min) / 15, both scale_dtype
+    (float16, or float32: the layout GGUF Q4_K blocks load into)."""
     out_features, in_features = weight.shape
     groups = weight.float().view(out_features, in_features // BLOCK, BLOCK)
-    low = groups.amin(-1).half()  # [out, blocks]
-    scale = ((groups.amax(-1) - low.float()) / 15).half()
+    low = groups.amin(-1).to(scale_dtype)  # [out, blocks]
+    scale = ((groups.amax(-1) - low.float()) / 15).to(scale_dtype)
     # codes against the float16-rounded scale and min, the values the kernel multiplies by
     safe = scale.float().clamp_min(1e-30).unsqueeze(-1)
     q = ((groups - low.float().unsqueeze(-1)) / safe).round_().clamp_(0, 15).to(torch.uint8)  # [out, blocks, 32]
     codes = q[..., : BLOCK // 2] | (q[..., BLOCK // 2 :] << 4)
-    grouped = _to_group_order(codes.reshape(out_features, in_features // 2), _group_positions(in_features)[1])
+    grouped = _to_group_order(codes.reshape(out_features, in_features // 2), q8=False)
     return Q4Weight(grouped, scale.contiguous(), low.contiguous())
 
 
@@ -127,8 +227,17 @@ def quantize_q8(weight: torch.Tensor) -> Q8Weight:  # [out, in] float, in % 32 =
     scale = (groups.abs().amax(-1) / 127).half()  # [out, blocks]
     safe = scale.float().clamp_min(1e-30).unsqueeze(-1)
     q = (groups / safe).round_().clamp_(-127, 127).to(torch.int8)
-    return Q8Weight(_to_group_order(q.view(out_features, in_features), _group_positions(in_features)[0]),
+    return Q8Weight(_to_group_order(q.view(out_features, in_features), q8=True),
                     scale.contiguous())
+
+
+def quantize_q8_halves(weight: torch.Tensor) -> Q8Weight:  # [out, in] float, in % 32 == 0
+    """Symmetric 8-bit per 16 inputs, float32 scales (the layout GGUF Q6_K blocks load into)."""
+    out_features, in_features = weight.shape
+    halves = weight.float().view(out_features, in_features // BLOCK, 2, BLOCK // 2)
+    scale = halves.abs().amax(-1) / 127  # [out, blocks, 2]
+    q = (halves / scale.clamp_min(1e-30).unsqueeze(-1)).round_().clamp_(-127, 127).to(torch.int8)
+    return Q8Weight.from_block_order(q.view(out_features, in_features), scale)
 
 
 def quantize_activations(x: torch.Tensor) -> torch.Tensor:  # [rows, in] -> [rows, in] float64, as the kernel sees x

@@ -1,8 +1,10 @@
 // Block-quantised GEMM for CPU decode: y[m, n] = sum_k x[m, k] * w[n, k].
 //
-// Weights are stored in blocks of 32 inputs along k with float16 block scales:
+// Weights are stored in blocks of 32 inputs along k with block scales:
 //   q4: w = scale * q + min, q in 0..15, two codes per byte
 //   q8: w = scale * q,       q in -127..127
+// The scales (and q4's mins) come in one of three layouts (see F16Blocks, F32Blocks, F32Lanes below), so GGUF's
+// Q4_0, Q4_1, Q4_K, Q8_0 and Q6_K blocks all run with the values their file stores, exactly.
 // Each activation row is quantised the same way (symmetric int8 per block of 32, scale dx), so a block's
 // product is an integer dot product times scale * dx; q4's `min` term needs only the block's float sum of x.
 // With AVX2 the integer dots are `maddubs` (unsigned byte x signed byte, pairs summed to int16; no overflow:
@@ -282,6 +284,76 @@ inline __m256 load_halves8(const at::Half* p, int64_t count, int64_t available_b
   return _mm256_cvtph_ps(_mm_setr_epi16(at(0), at(1), at(2), at(3), at(4), at(5), at(6), at(7)));
 }
 
+// Up to 8 float32 values, 0 past `count`, reading nothing past p[count - 1].
+inline __m256 load_floats8(const float* p, int64_t count) {
+  if (count >= 8) return _mm256_loadu_ps(p);
+  const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count)),
+                                          _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  return _mm256_maskload_ps(p, mask);
+}
+
+// group_lanes for float32 block values.
+template <int S>
+inline __m256 group_lanes(const float* p) {
+  if constexpr (S == 4) {
+    const __m128 v = _mm_loadu_ps(p);
+    return _mm256_set_m128(v, v);
+  } else if constexpr (S == 2) {
+    const __m128 v = _mm_castpd_ps(_mm_load1_pd(reinterpret_cast<const double*>(p)));  // [v0 v1 v0 v1]
+    return _mm256_set_m128(v, v);
+  } else {
+    return _mm256_set1_ps(p[0]);
+  }
+}
+#endif
+
+// The layouts of a weight column's scales (and q4's mins), each a column of `stride(blocks)` values:
+//   F16Blocks: one float16 per block of 32 (GGUF Q4_0, Q4_1 and Q8_0 store exactly these);
+//   F32Blocks: one float32 per block (GGUF Q4_K's d * sc and dmin * m: exact in float32, not in float16);
+//   F32Lanes:  eight float32 per group in the integer sums' lane order: lane (h, i) holds the scale of inputs
+//              h*16 .. h*16 + 15 of block i % S, so each 16 inputs of a block have a scale of their own (GGUF
+//              Q6_K's sub-blocks of 16). The lanes already split a block's dot by halves, so this costs one load.
+// `lanes<S>` gives a group's 8 lanes (see group_lanes), `eight` 8 blocks' values from block b (q4's min term),
+// `scalar` the value for half `half` of `block` (the scalar build).
+struct F16Blocks {
+  using T = at::Half;
+  static constexpr bool kPerHalf = false;
+  static int64_t stride(int64_t blocks) { return blocks; }
+  static float scalar(const T* column, int64_t block, int64_t, int64_t) { return half_to_float(column[block]); }
+#if SPECD_AVX2
+  template <int S>
+  static __m256 lanes(const T* column, int64_t, int64_t first) { return group_lanes<S>(column + first); }
+  static __m256 eight(const T* column, int64_t b, int64_t blocks) { return load_halves8(column + b, blocks - b, b); }
+#endif
+};
+
+struct F32Blocks {
+  using T = float;
+  static constexpr bool kPerHalf = false;
+  static int64_t stride(int64_t blocks) { return blocks; }
+  static float scalar(const T* column, int64_t block, int64_t, int64_t) { return column[block]; }
+#if SPECD_AVX2
+  template <int S>
+  static __m256 lanes(const T* column, int64_t, int64_t first) { return group_lanes<S>(column + first); }
+  static __m256 eight(const T* column, int64_t b, int64_t blocks) { return load_floats8(column + b, blocks - b); }
+#endif
+};
+
+struct F32Lanes {
+  using T = float;
+  static constexpr bool kPerHalf = true;
+  static int64_t stride(int64_t blocks) { return group_count(blocks) * 8; }
+  static float scalar(const T* column, int64_t block, int64_t half, int64_t blocks) {
+    const Group g = group_of(block, blocks);
+    return column[g.index * 8 + half * 4 + (block - g.first)];
+  }
+#if SPECD_AVX2
+  template <int S>
+  static __m256 lanes(const T* column, int64_t g, int64_t) { return _mm256_loadu_ps(column + g * 8); }
+#endif
+};
+
+#if SPECD_AVX2
 // The float step every output element takes once per group: the integer dot times both scales.
 inline __m256 accumulate(__m256i sums, __m256 w_scales, const float* x_scales, __m256 acc) {
   return _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_mul_ps(w_scales, _mm256_loadu_ps(x_scales)), acc);
@@ -297,19 +369,24 @@ inline void for_each_group(int64_t blocks, const Step& step) {
   if (rest % 2 == 1) step.template group<1>(g, first);
 }
 
-// q4 tile: rows row0 .. row0 + R - 1 times columns col0 .. col0 + C - 1.
+// q4 tile: rows row0 .. row0 + R - 1 times columns col0 .. col0 + C - 1. Layout: F16Blocks or F32Blocks.
+template <typename Layout>
 struct Q4Tile {
-  const uint8_t* codes;    // [n, k / 2] in group order
-  const at::Half* scales;  // [n, blocks]
-  const at::Half* mins;    // [n, blocks]
+  using LayoutType = Layout;
+  using Scale = typename Layout::T;
+  static constexpr bool kQ4 = true;
+  const uint8_t* codes;  // [n, k / 2] in group order
+  const Scale* scales;   // [n, Layout::stride(blocks)]
+  const Scale* mins;     // [n, Layout::stride(blocks)]
   const QuantRows& x;
   int64_t blocks;
+  int64_t scale_stride;
 
   template <int R, int C>
   struct Step {
     const Q4Tile& tile;
     const uint8_t* w[C];
-    const at::Half* w_scales[C];
+    const Scale* w_scales[C];
     const int8_t* xq[R];
     const float* x_scales[R];
     __m256* acc;  // [R][C]
@@ -323,7 +400,7 @@ struct Q4Tile {
         _mm_prefetch(reinterpret_cast<const char*>(wg + prefetch), _MM_HINT_T0);
         __m256i u[S];
         for (int t = 0; t < S; ++t) u[t] = unpack_q4(wg + 16 * t);
-        const __m256 ws = group_lanes<S>(w_scales[c] + first);
+        const __m256 ws = Layout::template lanes<S>(w_scales[c], g, first);
         for (int r = 0; r < R; ++r) {
           const int8_t* xg = xq[r] + first * kBlock;
 #if SPECD_VNNI
@@ -347,7 +424,7 @@ struct Q4Tile {
     Step<R, C> step{*this, {}, {}, {}, {}, acc};
     for (int c = 0; c < C; ++c) {
       step.w[c] = codes + (col0 + c) * (x.k / 2);
-      step.w_scales[c] = scales + (col0 + c) * blocks;
+      step.w_scales[c] = scales + (col0 + c) * scale_stride;
     }
     for (int r = 0; r < R; ++r) {
       step.xq[r] = x.row_codes(row0 + r);
@@ -359,7 +436,7 @@ struct Q4Tile {
     // summed); the x sums past the last block are 0
     for (int64_t b = 0; b < blocks; b += 8) {
       for (int c = 0; c < C; ++c) {
-        const __m256 wm = load_halves8(mins + (col0 + c) * blocks + b, blocks - b, b);
+        const __m256 wm = Layout::eight(mins + (col0 + c) * scale_stride, b, blocks);
         for (int r = 0; r < R; ++r) {
           acc[r * C + c] = _mm256_fmadd_ps(wm, _mm256_loadu_ps(x.row_sums(row0 + r) + b), acc[r * C + c]);
         }
@@ -404,10 +481,10 @@ inline void reduce_store_pairs(const __m512* acc, float* out, int64_t stride) {
 }
 
 // What a pair tile reads: its 2P weight columns (codes, block scales) and R activation rows.
-template <typename Code, int R, int P>
+template <typename Code, typename Scale, int R, int P>
 struct PairInputs {
   const Code* w[2 * P];
-  const at::Half* w_scales[2 * P];
+  const Scale* w_scales[2 * P];
   const int8_t* xq[R];
   const float* x_scales[R];
 
@@ -415,7 +492,7 @@ struct PairInputs {
   PairInputs(const Tile& tile, int64_t row0, int64_t col0, int64_t code_stride) {
     for (int c = 0; c < 2 * P; ++c) {
       w[c] = tile.codes + (col0 + c) * code_stride;
-      w_scales[c] = tile.scales + (col0 + c) * tile.blocks;
+      w_scales[c] = tile.scales + (col0 + c) * tile.scale_stride;
     }
     for (int r = 0; r < R; ++r) {
       xq[r] = tile.x.row_codes(row0 + r);
@@ -425,13 +502,15 @@ struct PairInputs {
 };
 
 // Q4Tile's 4-column tiles with column pairs in 512-bit vectors (see SPECD_ZMM).
+template <typename Layout>
 struct Q4PairTile {
-  const Q4Tile& tile;
+  using Tile = Q4Tile<Layout>;
+  const Tile& tile;
 
   template <int R, int P>
   struct Step {
-    const Q4Tile& tile;
-    const PairInputs<uint8_t, R, P>& in;
+    const Tile& tile;
+    const PairInputs<uint8_t, typename Layout::T, R, P>& in;
     __m512* acc;  // [R][P]
 
     template <int S>
@@ -446,7 +525,8 @@ struct Q4PairTile {
         _mm_prefetch(reinterpret_cast<const char*>(w0 + prefetch), _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(w1 + prefetch), _MM_HINT_T0);
         for (int t = 0; t < S; ++t) u[p][t] = unpack_q4_pair(w0 + 16 * t, w1 + 16 * t);
-        ws[p] = pair_of(group_lanes<S>(w_scales[2 * p] + first), group_lanes<S>(w_scales[2 * p + 1] + first));
+        ws[p] = pair_of(Layout::template lanes<S>(w_scales[2 * p], g, first),
+                        Layout::template lanes<S>(w_scales[2 * p + 1], g, first));
       }
       for (int r = 0; r < R; ++r) {
         const int8_t* xg = xq[r] + first * kBlock;
@@ -464,14 +544,14 @@ struct Q4PairTile {
   template <int R, int P>
   void run(int64_t row0, int64_t col0, float* out, int64_t stride) const {  // out: [R, stride], 2P columns written
     const int64_t blocks = tile.blocks;
-    const PairInputs<uint8_t, R, P> in(tile, row0, col0, tile.x.k / 2);
+    const PairInputs<uint8_t, typename Layout::T, R, P> in(tile, row0, col0, tile.x.k / 2);
     __m512 acc[R * P];
     for (int i = 0; i < R * P; ++i) acc[i] = _mm512_setzero_ps();
     for_each_group(blocks, Step<R, P>{tile, in, acc});
     for (int64_t b = 0; b < blocks; b += 8) {  // the min term, as Q4Tile::run
       for (int p = 0; p < P; ++p) {
-        const __m512 wm = pair_of(load_halves8(tile.mins + (col0 + 2 * p) * blocks + b, blocks - b, b),
-                                  load_halves8(tile.mins + (col0 + 2 * p + 1) * blocks + b, blocks - b, b));
+        const __m512 wm = pair_of(Layout::eight(tile.mins + (col0 + 2 * p) * tile.scale_stride, b, blocks),
+                                  Layout::eight(tile.mins + (col0 + 2 * p + 1) * tile.scale_stride, b, blocks));
         for (int r = 0; r < R; ++r) {
           acc[r * P + p] = _mm512_fmadd_ps(wm, load8_twice(tile.x.row_sums(row0 + r) + b), acc[r * P + p]);
         }
@@ -484,17 +564,23 @@ struct Q4PairTile {
 
 // q8 tile: as Q4Tile, int8 weights (maddubs wants an unsigned operand: |w| times x with w's sign moved onto it;
 // pairs reach 2 * 127 * 127 = 32258, so each block is widened to int32 before any sum across blocks).
+// Layout: F16Blocks or F32Lanes.
+template <typename Layout>
 struct Q8Tile {
-  const int8_t* codes;     // [n, k] in group order
-  const at::Half* scales;  // [n, blocks]
+  using LayoutType = Layout;
+  using Scale = typename Layout::T;
+  static constexpr bool kQ4 = false;
+  const int8_t* codes;  // [n, k] in group order
+  const Scale* scales;  // [n, Layout::stride(blocks)]
   const QuantRows& x;
   int64_t blocks;
+  int64_t scale_stride;
 
   template <int R, int C>
   struct Step {
     const Q8Tile& tile;
     const int8_t* w[C];
-    const at::Half* w_scales[C];
+    const Scale* w_scales[C];
     const int8_t* xq[R];
     const float* x_scales[R];
     __m256* acc;  // [R][C]
@@ -511,7 +597,7 @@ struct Q8Tile {
           signs[t] = load32(wg + 32 * t);
           magnitudes[t] = _mm256_sign_epi8(signs[t], signs[t]);
         }
-        const __m256 ws = group_lanes<S>(w_scales[c] + first);
+        const __m256 ws = Layout::template lanes<S>(w_scales[c], g, first);
         for (int r = 0; r < R; ++r) {
           const int8_t* xg = xq[r] + first * kBlock;
 #if SPECD_VNNI
@@ -538,7 +624,7 @@ struct Q8Tile {
     Step<R, C> step{*this, {}, {}, {}, {}, acc};
     for (int c = 0; c < C; ++c) {
       step.w[c] = codes + (col0 + c) * x.k;
-      step.w_scales[c] = scales + (col0 + c) * blocks;
+      step.w_scales[c] = scales + (col0 + c) * scale_stride;
     }
     for (int r = 0; r < R; ++r) {
       step.xq[r] = x.row_codes(row0 + r);
@@ -554,13 +640,15 @@ struct Q8Tile {
 // Q8Tile's 4-column tiles with column pairs in 512-bit vectors. AVX-512 has no sign_epi8: the activation codes are
 // negated where the weight is negative (a masked subtract); where it is 0 the magnitude is 0 and so is the product,
 // so |w| * (sign-moved x) is w * x, the same integer as the 256-bit tile's.
+template <typename Layout>
 struct Q8PairTile {
-  const Q8Tile& tile;
+  using Tile = Q8Tile<Layout>;
+  const Tile& tile;
 
   template <int R, int P>
   struct Step {
-    const Q8Tile& tile;
-    const PairInputs<int8_t, R, P>& in;
+    const Tile& tile;
+    const PairInputs<int8_t, typename Layout::T, R, P>& in;
     __m512* acc;  // [R][P]
 
     template <int S>
@@ -582,7 +670,8 @@ struct Q8PairTile {
           negative[p][t] = _mm512_movepi8_mask(codes);
           magnitudes[p][t] = _mm512_abs_epi8(codes);
         }
-        ws[p] = pair_of(group_lanes<S>(w_scales[2 * p] + first), group_lanes<S>(w_scales[2 * p + 1] + first));
+        ws[p] = pair_of(Layout::template lanes<S>(w_scales[2 * p], g, first),
+                        Layout::template lanes<S>(w_scales[2 * p + 1], g, first));
       }
       const __m512i zero = _mm512_setzero_si512();
       for (int r = 0; r < R; ++r) {
@@ -602,7 +691,7 @@ struct Q8PairTile {
 
   template <int R, int P>
   void run(int64_t row0, int64_t col0, float* out, int64_t stride) const {  // out: [R, stride], 2P columns written
-    const PairInputs<int8_t, R, P> in(tile, row0, col0, tile.x.k);
+    const PairInputs<int8_t, typename Layout::T, R, P> in(tile, row0, col0, tile.x.k);
     __m512 acc[R * P];
     for (int i = 0; i < R * P; ++i) acc[i] = _mm512_setzero_ps();
     for_each_group(tile.blocks, Step<R, P>{tile, in, acc});
@@ -635,10 +724,10 @@ void run_tile(const Tile& tile, int64_t rows, int64_t row0, int64_t col0, float*
   // 1-2 rows stay 256-bit: there the pairs' extra shuffles cost more than their halved dots save (measured: q4
   // 3-19 % slower at 1-2 rows, 8-23 % faster at 4-16; bench/gemm_rows.py)
   if (rows >= 3) {
-    if constexpr (std::is_same_v<Tile, Q4Tile>) {
-      return run_pair_tile(Q4PairTile{tile}, rows, row0, col0, out);
+    if constexpr (Tile::kQ4) {
+      return run_pair_tile(Q4PairTile<typename Tile::LayoutType>{tile}, rows, row0, col0, out);
     } else {
-      return run_pair_tile(Q8PairTile{tile}, rows, row0, col0, out);
+      return run_pair_tile(Q8PairTile<typename Tile::LayoutType>{tile}, rows, row0, col0, out);
     }
   }
 #endif
@@ -707,8 +796,9 @@ at::Tensor run_tiles(const Tile& tile, int64_t rows, int64_t cols, at::ScalarTyp
 }
 #else
 // Scalar: one output element at a time, integer block dots read through the group order.
-inline float dot_q4(const uint8_t* w, const at::Half* w_scale, const at::Half* w_min, const QuantRows& x,
-                    int64_t row, int64_t blocks) {
+template <typename Layout>
+inline float dot_q4(const uint8_t* w, const typename Layout::T* w_scale, const typename Layout::T* w_min,
+                    const QuantRows& x, int64_t row, int64_t blocks) {
   const int8_t* xr = x.row_codes(row);
   float acc = 0.f, min_part = 0.f;
   for (int64_t b = 0; b < blocks; ++b) {
@@ -720,24 +810,31 @@ inline float dot_q4(const uint8_t* w, const at::Half* w_scale, const at::Half* w
     }
     const Group g = group_of(b, blocks);
     const int64_t lane = g.index * 8 + (b - g.first);  // the block's first lane
-    acc += static_cast<float>(dot) * (half_to_float(w_scale[b]) * x.row_scales(row)[lane]);
-    min_part += half_to_float(w_min[b]) * x.row_sums(row)[b];
+    acc += static_cast<float>(dot) * (Layout::scalar(w_scale, b, 0, blocks) * x.row_scales(row)[lane]);
+    min_part += Layout::scalar(w_min, b, 0, blocks) * x.row_sums(row)[b];
   }
   return acc + min_part;
 }
 
-inline float dot_q8(const int8_t* w, const at::Half* w_scale, const QuantRows& x, int64_t row, int64_t blocks) {
+template <typename Layout>
+inline float dot_q8(const int8_t* w, const typename Layout::T* w_scale, const QuantRows& x, int64_t row,
+                    int64_t blocks) {
   const int8_t* xr = x.row_codes(row);
   float acc = 0.f;
   for (int64_t b = 0; b < blocks; ++b) {
-    int32_t dot = 0;
+    int32_t dots[2] = {0, 0};  // inputs 0..15 and 16..31
     // w and x share the group order, so a block's inputs are at the same positions in both
     for (int64_t i = 0; i < kBlock; ++i) {
       const int64_t pos = input_position(b, i, blocks);
-      dot += static_cast<int32_t>(w[pos]) * xr[pos];
+      dots[i / 16] += static_cast<int32_t>(w[pos]) * xr[pos];
     }
     const Group g = group_of(b, blocks);
-    acc += static_cast<float>(dot) * (half_to_float(w_scale[b]) * x.row_scales(row)[g.index * 8 + (b - g.first)]);
+    const float x_scale = x.row_scales(row)[g.index * 8 + (b - g.first)];
+    if constexpr (Layout::kPerHalf) {
+      for (int64_t h = 0; h < 2; ++h) acc += static_cast<float>(dots[h]) * (Layout::scalar(w_scale, b, h, blocks) * x_scale);
+    } else {
+      acc += static_cast<float>(dots[0] + dots[1]) * (Layout::scalar(w_scale, b, 0, blocks) * x_scale);
+    }
   }
   return acc;
 }
@@ -785,48 +882,73 @@ at::ScalarType output_dtype(const at::Tensor& x, bool float_out) {
 
 }  // namespace
 
-// x: [m, k] float32/bfloat16; codes: [n, k / 2] uint8 in group order; scales, mins: [n, k / 32] float16.
-// Returns [m, n] in x's dtype, or float32 when float_out.
+template <typename Layout>
+at::Tensor q4_run(const at::Tensor& x, const QuantRows& q, const at::Tensor& codes, const at::Tensor& scales,
+                  const at::Tensor& mins, bool float_out) {
+  using T = typename Layout::T;
+  const int64_t n = codes.size(0), k = codes.size(1) * 2, blocks = k / kBlock, stride = Layout::stride(blocks);
+  const uint8_t* w = codes.data_ptr<uint8_t>();
+  const T* ws = scales.data_ptr<T>();
+  const T* wm = mins.data_ptr<T>();
+#if SPECD_AVX2
+  return run_tiles(Q4Tile<Layout>{w, ws, wm, q, blocks, stride}, x.size(0), n, output_dtype(x, float_out));
+#else
+  return run_columns(x.size(0), n, output_dtype(x, float_out), [&](int64_t row, int64_t col) {
+    return dot_q4<Layout>(w + col * (k / 2), ws + col * stride, wm + col * stride, q, row, blocks);
+  });
+#endif
+}
+
+// x: [m, k] float32/bfloat16; codes: [n, k / 2] uint8 in group order; scales, mins: [n, k / 32] float16 (F16Blocks)
+// or float32 (F32Blocks). Returns [m, n] in x's dtype, or float32 when float_out.
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
                      bool float_out) {
   const int64_t n = codes.size(0), k = codes.size(1) * 2, blocks = k / kBlock;
   check_activations(x, k, "q4_linear");
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous(), "q4_linear: codes must be contiguous uint8");
+  const at::ScalarType scale_type = scales.scalar_type();
   for (const at::Tensor* t : {&scales, &mins}) {
-    TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->size(0) == n && t->size(1) == blocks,
-                "q4_linear: scales and mins must be contiguous float16 [", n, ", ", blocks, "]");
+    TORCH_CHECK((scale_type == at::kHalf || scale_type == at::kFloat) && t->scalar_type() == scale_type &&
+                    t->is_contiguous() && t->dim() == 2 && t->size(0) == n && t->size(1) == blocks,
+                "q4_linear: scales and mins must be contiguous [", n, ", ", blocks,
+                "], both float16 or both float32");
   }
   const QuantRows q = quantize(x);
-  const uint8_t* w = codes.data_ptr<uint8_t>();
-  const at::Half* ws = scales.data_ptr<at::Half>();
-  const at::Half* wm = mins.data_ptr<at::Half>();
+  if (scale_type == at::kHalf) return q4_run<F16Blocks>(x, q, codes, scales, mins, float_out);
+  return q4_run<F32Blocks>(x, q, codes, scales, mins, float_out);
+}
+
+template <typename Layout>
+at::Tensor q8_run(const at::Tensor& x, const QuantRows& q, const at::Tensor& codes, const at::Tensor& scales,
+                  bool float_out) {
+  using T = typename Layout::T;
+  const int64_t n = codes.size(0), k = codes.size(1), blocks = k / kBlock, stride = Layout::stride(blocks);
+  const int8_t* w = codes.data_ptr<int8_t>();
+  const T* ws = scales.data_ptr<T>();
 #if SPECD_AVX2
-  return run_tiles(Q4Tile{w, ws, wm, q, blocks}, x.size(0), n, output_dtype(x, float_out));
+  return run_tiles(Q8Tile<Layout>{w, ws, q, blocks, stride}, x.size(0), n, output_dtype(x, float_out));
 #else
   return run_columns(x.size(0), n, output_dtype(x, float_out), [&](int64_t row, int64_t col) {
-    return dot_q4(w + col * (k / 2), ws + col * blocks, wm + col * blocks, q, row, blocks);
+    return dot_q8<Layout>(w + col * k, ws + col * stride, q, row, blocks);
   });
 #endif
 }
 
-// x: [m, k] float32/bfloat16; codes: [n, k] int8 in group order; scales: [n, k / 32] float16.
+// x: [m, k] float32/bfloat16; codes: [n, k] int8 in group order; scales: [n, k / 32] float16 (F16Blocks) or
+// [n, groups * 8] float32 (F32Lanes: a scale per 16 inputs, in lane order).
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, bool float_out) {
   const int64_t n = codes.size(0), k = codes.size(1), blocks = k / kBlock;
   check_activations(x, k, "q8_linear");
   TORCH_CHECK(codes.scalar_type() == at::kChar && codes.is_contiguous(), "q8_linear: codes must be contiguous int8");
-  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.size(0) == n &&
-                  scales.size(1) == blocks,
-              "q8_linear: scales must be contiguous float16 [", n, ", ", blocks, "]");
+  const bool lanes = scales.scalar_type() == at::kFloat;
+  const int64_t width = lanes ? F32Lanes::stride(blocks) : blocks;
+  TORCH_CHECK((lanes || scales.scalar_type() == at::kHalf) && scales.is_contiguous() && scales.dim() == 2 &&
+                  scales.size(0) == n && scales.size(1) == width,
+              "q8_linear: scales must be contiguous float16 [", n, ", ", blocks, "] or float32 lanes [", n, ", ",
+              F32Lanes::stride(blocks), "]");
   const QuantRows q = quantize(x);
-  const int8_t* w = codes.data_ptr<int8_t>();
-  const at::Half* ws = scales.data_ptr<at::Half>();
-#if SPECD_AVX2
-  return run_tiles(Q8Tile{w, ws, q, blocks}, x.size(0), n, output_dtype(x, float_out));
-#else
-  return run_columns(x.size(0), n, output_dtype(x, float_out), [&](int64_t row, int64_t col) {
-    return dot_q8(w + col * k, ws + col * blocks, q, row, blocks);
-  });
-#endif
+  if (lanes) return q8_run<F32Lanes>(x, q, codes, scales, float_out);
+  return q8_run<F16Blocks>(x, q, codes, scales, float_out);
 }
 
 // How many distinct threads at::parallel_for runs a loop of `items` on here (1 in a build without OpenMP).

@@ -1,14 +1,17 @@
-"""GGUF files: the header parser and the conversion of GGUF tensors to Hugging Face-named weights.
+"""GGUF files: the header parser and the file's tensors under Hugging Face names, read one at a time.
 
 Its own module so that both the checkpoint loader (weights) and the tokenizer (vocabulary in the metadata)
-read GGUF without importing each other. llama.cpp stores q/k rows in its rotary layout; `gguf_state_dict`
-puts them back, so every consumer sees one format.
+read GGUF without importing each other. llama.cpp stores q/k rows in its rotary layout; `GgufWeights` puts them
+back, so every consumer sees one format. A tensor is read from the file when asked for (one read of its bytes,
+never a mapping of the whole file that would count towards the process's memory), as floats or, for the block
+types the native kernels run (model/gguf_blocks.py), as the kernels' weight with the file's values.
 """
 
 from __future__ import annotations
 
 import mmap
 import struct
+from collections.abc import Iterator
 from math import prod
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -19,6 +22,8 @@ import torch
 
 from specd.errors import ModelLoadError
 from specd.model.config import ModelArchConfig
+from specd.model.gguf_blocks import KernelWeight, block_weight, kernel_kind
+from specd.model.weights import LazyWeights
 
 # ---------------------------------------------------------------------------------------------- GGUF file
 _GGUF_SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
@@ -150,17 +155,14 @@ def _hf_name(gguf_name: str) -> str:
     raise ModelLoadError(f"{gguf_name}: GGUF tensor not supported by this Llama-family loader")
 
 
-def _undo_rotary_permutation(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """llama.cpp stores each head's rows interleaved (row j of the first rotary half, then row j of the
-    second); Hugging Face keeps the two halves contiguous. weight: [num_heads * head_dim, ...]."""
-    rows = weight.shape[0]
-    halves = weight.reshape(num_heads, rows // num_heads // 2, 2, *weight.shape[1:])
-    return halves.transpose(1, 2).reshape(weight.shape)
+def _rotary_row_order(rows: int, num_heads: int) -> torch.Tensor:  # [rows] int64
+    """Hugging Face row r is GGUF row order[r]: llama.cpp stores each head's rows interleaved (row j of the first
+    rotary half, then row j of the second); Hugging Face keeps the two halves contiguous."""
+    return torch.arange(rows).view(num_heads, rows // num_heads // 2, 2).transpose(1, 2).reshape(rows)
 
 
-def _dequantize(buffer: np.ndarray, info: GgufTensorInfo) -> torch.Tensor:
-    """The tensor as float32 (a fresh copy, never a view of the file). buffer: the whole file, uint8."""
-    raw = buffer[info.offset:info.offset + info.num_bytes]
+def _dequantize(raw: np.ndarray, info: GgufTensorInfo) -> torch.Tensor:
+    """The tensor as float32 (a fresh copy). raw: the tensor's bytes, uint8 [info.num_bytes]."""
     if info.ggml_type == gguf.GGMLQuantizationType.F32:
         values = raw.view(np.float32).copy()
     elif info.ggml_type == gguf.GGMLQuantizationType.F16:
@@ -177,17 +179,73 @@ def _dequantize(buffer: np.ndarray, info: GgufTensorInfo) -> torch.Tensor:
     return torch.from_numpy(values).reshape(info.shape)
 
 
-def gguf_state_dict(gguf_file: GgufFile, config: ModelArchConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Every tensor dequantized (to float32, then `dtype`), renamed to Hugging Face names, q/k rows in HF order."""
-    buffer = np.memmap(gguf_file.path, dtype=np.uint8, mode="r").view(np.ndarray)  # plain view: memmap is slow
-    state_dict: dict[str, torch.Tensor] = {}
-    for info in gguf_file.tensors.values():
-        name = _hf_name(info.name)
-        tensor = _dequantize(buffer, info)
-        if config.model_type in _ROTARY_PERMUTED_ARCHS and (".q_proj." in name or ".k_proj." in name):
-            tensor = _undo_rotary_permutation(tensor, config.num_heads if ".q_proj." in name else config.num_kv_heads)
-        state_dict[name] = tensor.to(dtype)
-    return state_dict
+class GgufWeights(LazyWeights):
+    """A GGUF file's tensors under Hugging Face names (q/k rows in Hugging Face order), each read when asked for."""
+
+    def __init__(self, gguf_file: GgufFile, config: ModelArchConfig, dtype: torch.dtype) -> None:
+        super().__init__(dtype)
+        self.path = gguf_file.path
+        self._infos: dict[str, GgufTensorInfo] = {_hf_name(info.name): info for info in gguf_file.tensors.values()}
+        permuted = config.model_type in _ROTARY_PERMUTED_ARCHS
+        self._heads = {name: config.num_heads if ".q_proj." in name else config.num_kv_heads
+                       for name in self._infos if permuted and (".q_proj." in name or ".k_proj." in name)}
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._infos)
+
+    def __len__(self) -> int:
+        return len(self._infos)
+
+    def __contains__(self, name: object) -> bool:  # Mapping's would read the tensor
+        return name in self._infos
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._infos[name].shape
+
+    def file_type(self, name: str) -> str:
+        return self._infos[name].ggml_type.name
+
+    def _raw(self, info: GgufTensorInfo) -> np.ndarray:  # [num_bytes] uint8, a fresh buffer
+        buffer = bytearray(info.num_bytes)
+        try:
+            with self.path.open("rb", buffering=0) as handle:
+                handle.seek(info.offset)
+                view, done = memoryview(buffer), 0
+                while done < info.num_bytes:
+                    count = handle.readinto(view[done:])
+                    if not count:
+                        raise ModelLoadError(f"{self.path}: tensor {info.name} ends past the end of the file "
+                                             "(truncated while loading?)")
+                    done += count
+        except OSError as exc:
+            raise ModelLoadError(f"{self.path}: cannot read tensor {info.name}: {exc}") from exc
+        return np.frombuffer(buffer, dtype=np.uint8)
+
+    def _row_order(self, name: str, rows: int) -> torch.Tensor | None:
+        heads = self._heads.get(name)
+        return None if heads is None else _rotary_row_order(rows, heads)
+
+    def read(self, name: str) -> torch.Tensor:
+        info = self._infos[name]
+        blocks = self.blocks(name)
+        if blocks is not None:  # the same values as gguf's numpy dequantization, with far fewer temporaries
+            return blocks.dequantize()
+        tensor = _dequantize(self._raw(info), info)
+        order = self._row_order(name, tensor.shape[0])
+        return tensor if order is None else tensor[order]
+
+    def blocks(self, name: str) -> KernelWeight | None:
+        info = self._infos[name]
+        if kernel_kind(info.ggml_type) is None or len(info.shape) != 2:
+            return None  # nothing to read: the caller converts the floats
+        weight = block_weight(torch.from_numpy(self._raw(info)), info.ggml_type, info.shape)
+        order = self._row_order(name, info.shape[0])
+        return weight if weight is None or order is None else weight.rows(order)
+
+
+def gguf_size_estimate(gguf_file: GgufFile) -> int:
+    """The bytes of the file's tensors (what the quantized weights take once loaded, roughly)."""
+    return sum(info.num_bytes for info in gguf_file.tensors.values())
 
 
 def gguf_arch_config(gguf_file: GgufFile) -> ModelArchConfig:

@@ -9,9 +9,10 @@ first N layers plus the final norm and LM head (self-speculation) with the same 
 
 from __future__ import annotations
 
+import logging
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from types import ModuleType
 from typing import NamedTuple
 
@@ -24,12 +25,17 @@ import specd.kernels.fused as fused_kernels
 from specd.errors import ModelLoadError
 from specd.kernels.blockquant import Q4Weight, Q8Weight, fits, quantize_q4, quantize_q8
 from specd.model.attention import AttentionMetadata, ForwardBatch, attend, write_kv
+from specd.model.block_load import Conversions, kernel_weight, merge_rows
 from specd.model.config import ModelArchConfig, RopeScaling
+from specd.model.gguf_blocks import KernelWeight
 from specd.model.kv_cache import KVCache
+from specd.model.weights import block_weight_of, shape_of
 
 INT4_GROUP = 32
 PROMPT_ENV_VAR = "SPECD_INT4_PROMPT"
 _NO_ROWS = torch.empty(0, dtype=torch.long)
+logger = logging.getLogger("specd")
+_EMBEDDING_ROWS = 4096  # rows of the embedding table dequantized at once while loading
 
 
 class RowSplit(NamedTuple):
@@ -157,6 +163,9 @@ class Linear(nn.Module):
         self.int8: tuple[torch.Tensor, torch.Tensor] | None = None
         self.q4: Q4Weight | None = None
         self.q8: Q8Weight | None = None
+        # row blocks of different layouts (a qkv whose v is Q6_K and q, k Q4_K): one GEMM each, outputs joined
+        self.parts: tuple[KernelWeight, ...] = ()
+        self.float_out = False  # the LM head: float32 results straight from the kernel, no bfloat16 rounding
         # a dense bfloat16 copy of the q4 weight for prompt rows (oneDNN's blocked layout where it has one)
         self.prompt_weight: torch.Tensor | None = None
 
@@ -166,8 +175,20 @@ class Linear(nn.Module):
         linear = cls.__new__(cls)
         nn.Module.__init__(linear)
         linear.weight, linear.bias, linear.packed, linear.int4, linear.int8 = weight, None, None, None, None
-        linear.q4, linear.q8, linear.prompt_weight = None, None, None
+        linear.q4, linear.q8, linear.prompt_weight, linear.parts, linear.float_out = None, None, None, (), False
         return linear
+
+    def set_blocks(self, weights: Sequence[KernelWeight]) -> None:
+        """Run this projection on the native kernels' block weights, `weights` being its output rows in order
+        (q, k, v; gate, up; or one): parts of one layout are joined into one GEMM. Drops the dense weight."""
+        merged = merge_rows(weights)
+        self.weight, self.q4, self.q8, self.parts = None, None, None, ()
+        if len(merged) > 1:
+            self.parts = tuple(merged)
+        elif isinstance(merged[0], Q4Weight):
+            self.q4 = merged[0]
+        else:
+            self.q8 = merged[0]
 
     def set_prompt_weight(self, enabled: bool) -> None:
         """Keep (or drop) a dense bfloat16 copy of the q4 weight, the dequantized codes rounded once, for prompt
@@ -198,6 +219,7 @@ class Linear(nn.Module):
     def add_int8(self) -> None:
         """Quantize the current (ideally float32) weight into the int8 copy; its scales are bfloat16 (float16 per
         block of 32 for the native kernel, which recovers a GGUF Q8_0 matrix exactly)."""
+        self.float_out = True
         if kernels.native() is not None and fits(self.hf_weight.shape):
             self.q8 = quantize_q8(self.hf_weight.detach())
             return
@@ -215,6 +237,10 @@ class Linear(nn.Module):
     def hf_weight(self) -> torch.Tensor:  # [out_features, in_features]; once packed or int4, a read-only dense copy
         if self.weight is not None:
             return self.weight
+        if self.parts:
+            return torch.cat([part.dequantize() for part in self.parts]).to(torch.bfloat16)
+        if self.q8 is not None:
+            return self.q8.dequantize().to(torch.bfloat16)
         if self.q4 is not None:
             return self.q4.dequantize().to(torch.bfloat16)
         if self.int4 is not None:  # the identity through the kernel reads the dequantized weight back
@@ -236,14 +262,15 @@ class Linear(nn.Module):
             out.index_copy_(0, rows.prompt, prompt_out)
             out.index_copy_(0, rows.other, self.forward(x.index_select(0, rows.other)))
             return out
-        if self.q4 is not None or self.q8 is not None:
+        if self.q4 is not None or self.q8 is not None or self.parts:
             native = kernels.native()
             assert native is not None  # q4/q8 are only made when it is
-            if self.q4 is not None:
-                y = self.q4.linear(native, x)
-            else:  # the int8 head: float32 logits straight away, no bfloat16 rounding before the cast
-                assert self.q8 is not None
-                y = self.q8.linear(native, x, float_out=True)
+            if self.parts:
+                y = torch.cat([part.linear(native, x, self.float_out) for part in self.parts], dim=-1)
+            else:
+                block_weight = self.q4 if self.q4 is not None else self.q8
+                assert block_weight is not None
+                y = block_weight.linear(native, x, self.float_out)
             return y if self.bias is None else y + self.bias
         if self.int4 is not None:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.int4[0], INT4_GROUP, self.int4[1])
@@ -595,8 +622,11 @@ class LlamaForCausalLM(nn.Module):
         return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
     # ------------------------------------------------------------ weights
-    def load_hf_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Load weights named as in Hugging Face checkpoints (model.layers.{i}.self_attn.q_proj.weight, ...)."""
+    def load_hf_state_dict(self, state_dict: Mapping[str, torch.Tensor], projections: bool = True,
+                           embedding: bool = True) -> None:
+        """Load weights named as in Hugging Face checkpoints (model.layers.{i}.self_attn.q_proj.weight, ...),
+        one tensor at a time (a LazyWeights reads each when taken). projections=False: all but the projections
+        and a separate LM head; embedding=False: not the embedding table (load_blocks has loaded them)."""
         if any(isinstance(m, Linear) and m.packed is not None for m in self.modules()):
             # hf_weight of a packed layer is a dense copy: writing into it would silently load nothing.
             raise ModelLoadError("weights must be loaded before pack(); build the model with build_model()")
@@ -610,28 +640,32 @@ class LlamaForCausalLM(nn.Module):
             return state_dict[name]
 
         with torch.no_grad():
-            self.embed_tokens.weight.copy_(take("model.embed_tokens.weight"))
+            if embedding:
+                self.embed_tokens.weight.copy_(take("model.embed_tokens.weight"))
             self.norm.weight.copy_(take("model.norm.weight"))
-            if self.lm_head is not None:
+            if self.lm_head is not None and projections:
                 self.lm_head.hf_weight.copy_(take("lm_head.weight"))
             for i, layer in enumerate(self.layers):
                 p = f"model.layers.{i}."
                 a = p + "self_attn."
-                qkv = [take(a + f"{n}_proj.weight") for n in "qkv"]
-                if not missing:
-                    layer.qkv_proj.hf_weight.copy_(torch.cat(qkv, 0))
+                if projections:
+                    qkv = [take(a + f"{n}_proj.weight") for n in "qkv"]
+                    if not missing:
+                        layer.qkv_proj.hf_weight.copy_(torch.cat(qkv, 0))
                 if c.qkv_bias:
                     biases = [take(a + f"{n}_proj.bias") for n in "qkv"]
                     if not missing and layer.qkv_proj.bias is not None:
                         layer.qkv_proj.bias.copy_(torch.cat(biases, 0))
-                layer.o_proj.hf_weight.copy_(take(a + "o_proj.weight"))
+                if projections:
+                    layer.o_proj.hf_weight.copy_(take(a + "o_proj.weight"))
                 if layer.q_norm is not None and layer.k_norm is not None:
                     layer.q_norm.weight.copy_(take(a + "q_norm.weight"))
                     layer.k_norm.weight.copy_(take(a + "k_norm.weight"))
-                gate, up = take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")
-                if not missing:
-                    layer.gate_up_proj.hf_weight.copy_(torch.cat([gate, up], 0))
-                layer.down_proj.hf_weight.copy_(take(p + "mlp.down_proj.weight"))
+                if projections:
+                    gate, up = take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")
+                    if not missing:
+                        layer.gate_up_proj.hf_weight.copy_(torch.cat([gate, up], 0))
+                    layer.down_proj.hf_weight.copy_(take(p + "mlp.down_proj.weight"))
                 layer.input_layernorm.weight.copy_(take(p + "input_layernorm.weight"))
                 layer.post_attention_layernorm.weight.copy_(take(p + "post_attention_layernorm.weight"))
                 if missing:
@@ -639,34 +673,99 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ModelLoadError(f"checkpoint is missing tensor(s): {', '.join(missing[:5])}")
 
+    def block_linears(self) -> list[tuple[Linear, list[str]]]:
+        """The projections that run on block weights in the quantized mode, with the HF tensors of their rows in
+        order: every decoder layer's four, then a separate LM head."""
+        out: list[tuple[Linear, list[str]]] = []
+        for i, layer in enumerate(self.layers):
+            a, p = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+            out += [(layer.qkv_proj, [f"{a}{n}_proj.weight" for n in "qkv"]), (layer.o_proj, [f"{a}o_proj.weight"]),
+                    (layer.gate_up_proj, [f"{p}gate_proj.weight", f"{p}up_proj.weight"]),
+                    (layer.down_proj, [f"{p}down_proj.weight"])]
+        if self.lm_head is not None:
+            out.append((self.lm_head, ["lm_head.weight"]))
+        return out
+
+    def load_blocks(self, state_dict: Mapping[str, torch.Tensor]) -> list[str]:
+        """The quantized mode's load: each projection straight into block weights (model/block_load.py: the file's
+        own blocks where the kernels run them), one tensor at a time, never a dense copy; the rest (embedding,
+        norms, biases) as load_hf_state_dict does, into parameters already in the model's dtype. A tied LM head gets
+        the embedding table's blocks. Assumes the projections' (and a separate head's) weights were dropped before
+        the parameters were allocated (build_model). Returns what changed, a line per conversion."""
+        conversions = Conversions()
+        missing = [name for _, names in self.block_linears() for name in names if name not in state_dict]
+        if missing:
+            raise ModelLoadError(f"checkpoint is missing tensor(s): {', '.join(missing[:5])}")
+        for linear, names in self.block_linears():
+            head = linear is self.lm_head
+            blocks = [kernel_weight(state_dict, name, conversions, head=head) for name in names]
+            if any(b is None for b in blocks):  # a shape the kernels cannot block: dense, as the float modes
+                linear.weight = nn.Parameter(torch.cat([state_dict[name] for name in names]).to(self.dtype),
+                                             requires_grad=False)
+                continue
+            linear.set_blocks([b for b in blocks if b is not None])
+            linear.float_out = head
+        # The embedding table from the file's blocks where it has them, a few thousand rows at a time (a float32
+        # copy of a large vocabulary's table is the largest transient of a load); the tied head reuses the blocks.
+        embed_name = "model.embed_tokens.weight"
+        embed_blocks = block_weight_of(state_dict, embed_name) if fits(shape_of(state_dict, embed_name)) else None
+        if embed_blocks is not None:
+            table = self.embed_tokens.weight
+            with torch.no_grad():
+                for first in range(0, table.shape[0], _EMBEDDING_ROWS):
+                    chunk = embed_blocks.rows(slice(first, first + _EMBEDDING_ROWS))
+                    table[first:first + _EMBEDDING_ROWS].copy_(chunk.dequantize())
+        self.load_hf_state_dict(state_dict, projections=False, embedding=embed_blocks is None)
+        if self.lm_head is None:
+            tied = embed_blocks if embed_blocks is not None else kernel_weight(state_dict, embed_name, conversions,
+                                                                               head=True)
+            self.tied_head = Linear.sharing(self.embed_tokens.weight)
+            if tied is not None:  # the head reads the blocks; the lookup table stays dense
+                self.tied_head.set_blocks([tied])
+                self.tied_head.float_out = True
+        return conversions.lines()
+
 
 def build_model(
     config: ModelArchConfig,
-    state_dict: dict[str, torch.Tensor] | None,
+    state_dict: Mapping[str, torch.Tensor] | None,
     dtype: torch.dtype = torch.float32,
     max_positions: int | None = None,
     int4: bool = False,
 ) -> LlamaForCausalLM:
-    """Build with `state_dict`'s HF-named weights (random init only when None), cast to dtype, pack.
+    """Build with `state_dict`'s HF-named weights (random init only when None), cast to dtype, pack. The
+    weights are taken one tensor at a time (a LazyWeights reads each from the file only then).
 
-    int4: the decoder layers' projections are replaced by int4 copies, quantized from the weights before the
-    cast (a Q4_1 GGUF's 4-bit codes are recovered exactly; group scales are kept in bfloat16, like the
-    activations, which the int4 kernel requires), and the LM head gets an int8 copy (per-row scales): in
-    bfloat16 the head alone was as many bytes per decode step as all int4 layers together. Where
+    int4 (the quantized mode): the decoder layers' projections and the LM head run on the native kernels' block
+    weights, each the file's own blocks where the kernels run its type (GGUF Q4_0, Q4_1, Q4_K, Q8_0, Q6_K), else
+    quantized from its floats (4-bit projections, an 8-bit head; model/block_load.py, logged once per load);
+    activations are bfloat16. Without the native kernels, torch's int4 (projections) and int8 (head) kernels run
+    copies quantized from the float32 weights. Where
     `dense_prompt_rows()` says so (AMX CPUs, or SPECD_INT4_PROMPT=bf16), prompt rows run through dense bfloat16
     copies of the projections (LlamaForCausalLM.set_dense_prompt_rows).
     """
     if int4 and dtype != torch.bfloat16:
         raise ModelLoadError("dtype: int4 weights run with bfloat16 activations")
+    # From a checkpoint with the native kernels: each projection straight from the file into block weights
+    # (load_blocks); without them, torch's int4 kernels quantize the loaded dense weights (below).
+    blockwise = int4 and state_dict is not None and kernels.native() is not None
     if state_dict is None:
         model = LlamaForCausalLM(config, max_positions)
     else:
         with torch.device("meta"):
             model = LlamaForCausalLM(config, max_positions)
+        if blockwise:  # parameters in their final dtype, and none at all for the projections
+            model = model.to(dtype)
+            for linear, _ in model.block_linears():
+                linear.weight = None
         model = model.to_empty(device="cpu")
         model.rotary = Rotary(config, max_positions or config.max_position_embeddings)
-        model.load_hf_state_dict(state_dict)
-    if int4:
+        if blockwise:
+            for line in model.load_blocks(state_dict):
+                logger.warning("%s", line)
+        else:
+            model.load_hf_state_dict(state_dict)
+    if int4 and not blockwise:
         for module in model.layers.modules():
             if isinstance(module, Linear):
                 module.add_int4()

