@@ -29,7 +29,7 @@ T = gguf.GGMLQuantizationType
 TINY = LlamaShape(hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=512, tied=False)
 KERNEL_LAYOUTS = {  # type -> (kernel weight, scale dtype)
     T.Q4_0: (Q4Weight, torch.float16), T.Q4_1: (Q4Weight, torch.float16), T.Q8_0: (Q8Weight, torch.float16),
-    T.Q4_K: (Q4Weight, torch.float32), T.Q6_K: (Q8Weight, torch.float32),
+    T.Q4_K: (Q4Weight, torch.uint8), T.Q6_K: (Q8Weight, torch.float32),  # Q4_K: its own compact scales
 }
 
 

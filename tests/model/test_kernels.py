@@ -341,3 +341,42 @@ def test_a_build_lock_left_by_a_killed_build_is_removed_while_a_live_build_is_wa
     monkeypatch.setattr(cpp_extension, "load", fake_load)
     assert kernels_pkg.load_extension("specd_test_ext", tmp_path / "x.cpp", ["-O3"]) == "module"
     assert seen == {"stale lock present": False, "another process could lock": False}
+
+
+def _q4_k_weight(out_features: int, in_features: int, seed: int = 0) -> Q4Weight:
+    """A GGUF Q4_K tensor (random blocks with sane scales) in its compact KBlocks form."""
+    import gguf
+    import numpy as np
+
+    from specd.model.gguf_blocks import block_weight
+    from specd.synthetic import random_blocks
+
+    raw = random_blocks(np.random.default_rng(seed), gguf.GGMLQuantizationType.Q4_K, (out_features, in_features))
+    weight = block_weight(torch.from_numpy(raw).flatten(), gguf.GGMLQuantizationType.Q4_K, (out_features, in_features))
+    assert isinstance(weight, Q4Weight) and weight.scales.dtype == torch.uint8
+    return weight
+
+
+@pytest.mark.parametrize("isa", ["native", "avx2", "scalar"])
+def test_q4_k_compact_scales_give_the_bits_of_their_float32_products(native, isa):
+    """KBlocks forms d * sc and -(dmin * m) in the kernel (exact float32 products): every output bit equals the same
+    weight with those products stored (F32Blocks), in every tile shape and build."""
+    module = native if isa == "native" else specd.kernels.build(isa)
+    for in_features in (256, 512, 768):
+        compact = _q4_k_weight(out_features=203, in_features=in_features, seed=in_features)
+        scales, mins = compact.block_scales()
+        stored = Q4Weight(compact.codes, scales.contiguous(), mins.contiguous())
+        x = torch.randn(16, in_features).to(torch.bfloat16)
+        for rows in (1, 2, 3, 4, 5, 8, 9, 16):
+            assert torch.equal(compact.linear(module, x[:rows], float_out=True),
+                               stored.linear(module, x[:rows], float_out=True)), (in_features, rows)
+        expected = reference_linear(compact, x.float())
+        got = compact.linear(module, x, float_out=True).double()
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-4 * expected.abs().max().item())
+    assert compact.nbytes < stored.nbytes * 0.8  # 4.75 bits per weight against 6
+
+
+def test_q4_k_compact_scales_need_whole_super_blocks(native):
+    compact = _q4_k_weight(out_features=8, in_features=256)
+    with pytest.raises(RuntimeError, match="whole super-blocks of 256"):
+        native.q4_linear(torch.randn(1, 224), compact.codes[:, :112].contiguous(), compact.scales, compact.mins, True)

@@ -1,8 +1,9 @@
 """Block-quantised weights for the native kernels (blocks of 32 inputs).
 
-q4: w = scale * q + min with q in 0..15; q8: w = scale * q with q in -127..127. Scales come in three layouts
-(quant_gemm.cpp): float16 per block (GGUF Q4_0, Q4_1, Q8_0 store exactly these), float32 per block (GGUF Q4_K's
-d * sc and dmin * m), and, for q8, float32 per 16 inputs in the kernel's lane order (GGUF Q6_K's sub-blocks).
+q4: w = scale * q + min with q in 0..15; q8: w = scale * q with q in -127..127. Scales come in four layouts
+(quant_gemm.cpp): float16 per block (GGUF Q4_0, Q4_1, Q8_0 store exactly these), float32 per block, GGUF Q4_K's own
+compact form (per 256 inputs: 8 six-bit scales and mins as bytes, then d and dmin; `scales` uint8, `mins` empty),
+and, for q8, float32 per 16 inputs in the kernel's lane order (GGUF Q6_K's sub-blocks).
 model/gguf_blocks.py builds them from a file's blocks without a float round trip.
 `Q4Weight.linear` / `Q8Weight.linear` run the native kernel, which also quantises each
 activation row per block of 32 to int8; `reference_linear` is the same arithmetic in float64 for tests.
@@ -22,6 +23,26 @@ import torch
 
 BLOCK = 32
 GROUP_BLOCKS = 4  # blocks per group of the kernel's input order
+K_SUPER_BLOCKS, K_SUPER_BYTES = 8, 24  # the compact K-quant scales: 8 blocks of 32 share 24 bytes
+
+
+def pack_k_scales(d: torch.Tensor, sc: torch.Tensor, dmin: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """d, dmin: [out, supers] float32; sc, m: [out, supers, 8] 0..63 -> [out, supers * 24] uint8 (KBlocks)."""
+    out_features, supers = d.shape
+    parts = [sc.to(torch.uint8), m.to(torch.uint8), d.contiguous().view(torch.uint8).view(out_features, supers, 4),
+             dmin.contiguous().view(torch.uint8).view(out_features, supers, 4)]
+    return torch.cat(parts, dim=-1).reshape(out_features, supers * K_SUPER_BYTES)
+
+
+def unpack_k_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # -> scales, mins [out, blocks] f32
+    """The per-block scale d * sc and min -(dmin * m) of KBlocks scales, as float32 (the kernel's own products)."""
+    out_features = packed.shape[0]
+    supers = packed.view(out_features, -1, K_SUPER_BYTES)
+    d = supers[..., 16:20].contiguous().view(torch.float32)  # [out, supers, 1]
+    dmin = supers[..., 20:24].contiguous().view(torch.float32)
+    scales = (d * supers[..., :8].float()).reshape(out_features, -1)
+    mins = (-dmin * supers[..., 8:16].float()).reshape(out_features, -1)
+    return scales, mins
 
 
 def _group_of(block: int, blocks: int) -> tuple[int, int]:
@@ -144,6 +165,12 @@ class Q4Weight(NamedTuple):
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self)
 
+    def block_scales(self) -> tuple[torch.Tensor, torch.Tensor]:  # scales, mins: [out, in // 32], float
+        """Each block's scale and min, whatever the layout (the K-quant form unpacked)."""
+        if self.scales.dtype == torch.uint8:
+            return unpack_k_scales(self.scales)
+        return self.scales, self.mins
+
     def block_codes(self) -> torch.Tensor:  # [out, in // 2] uint8 in block order (GGUF Q4_1's)
         return _to_block_order(self.codes, q8=False)
 
@@ -151,7 +178,8 @@ class Q4Weight(NamedTuple):
         out_features, half = self.codes.shape
         blocks = self.block_codes().view(out_features, -1, BLOCK // 2)  # [out, blocks, 16]
         q = torch.cat([blocks & 0x0F, blocks >> 4], dim=-1).float()  # [out, blocks, 32]
-        w = q * self.scales.float().unsqueeze(-1) + self.mins.float().unsqueeze(-1)
+        scales, mins = self.block_scales()
+        w = q * scales.float().unsqueeze(-1) + mins.float().unsqueeze(-1)
         return w.view(out_features, half * 2)
 
     def linear(self, kernels: ModuleType, x: torch.Tensor, float_out: bool = False) -> torch.Tensor:
@@ -259,7 +287,8 @@ def reference_linear(weight: Q4Weight | Q8Weight, x: torch.Tensor) -> torch.Tens
     if isinstance(weight, Q8Weight):
         return x_q @ weight.dequantize().double().t()
     out_features = weight.codes.shape[0]
+    mins = weight.block_scales()[1].double()
     scaled_codes = (weight.dequantize().double().view(out_features, -1, BLOCK)
-                    - weight.mins.double().unsqueeze(-1)).view(out_features, -1)
+                    - mins.unsqueeze(-1)).view(out_features, -1)
     block_sums = x.double().view(x.shape[0], -1, BLOCK).sum(-1)  # [rows, blocks]
-    return x_q @ scaled_codes.t() + block_sums @ weight.mins.double().t()
+    return x_q @ scaled_codes.t() + block_sums @ mins.t()

@@ -313,13 +313,19 @@ inline __m256 group_lanes(const float* p) {
 //   F32Lanes:  eight float32 per group in the integer sums' lane order: lane (h, i) holds the scale of inputs
 //              h*16 .. h*16 + 15 of block i % S, so each 16 inputs of a block have a scale of their own (GGUF
 //              Q6_K's sub-blocks of 16). The lanes already split a block's dot by halves, so this costs one load.
-// `lanes<S>` gives a group's 8 lanes (see group_lanes), `eight` 8 blocks' values from block b (q4's min term),
-// `scalar` the value for half `half` of `block` (the scalar build).
+//   KBlocks:   GGUF Q4_K's own compact scales, 24 bytes per 8 blocks (a super-block of 256 inputs): 8 six-bit scales
+//              sc and 8 six-bit mins m as bytes, then d and dmin as float32; scale = d * sc and min = -(dmin * m) are
+//              formed in the kernel, the same float32 products as F32Blocks holds (both exact), so the same bits at
+//              0.75 bits of scales per weight instead of 2. The mins live in the same array (q4's `mins` is unused).
+//              Rows must be whole super-blocks (inputs a multiple of 256).
+// `lanes<S>` gives a group's 8 lanes (see group_lanes), `eight` 8 blocks' mins from block b (q4's min term),
+// `scalar` the scale of half `half` of `block` and `scalar_min` its min (the scalar build).
 struct F16Blocks {
   using T = at::Half;
   static constexpr bool kPerHalf = false;
   static int64_t stride(int64_t blocks) { return blocks; }
   static float scalar(const T* column, int64_t block, int64_t, int64_t) { return half_to_float(column[block]); }
+  static float scalar_min(const T* column, int64_t block, int64_t) { return half_to_float(column[block]); }
 #if SPECD_AVX2
   template <int S>
   static __m256 lanes(const T* column, int64_t, int64_t first) { return group_lanes<S>(column + first); }
@@ -332,10 +338,54 @@ struct F32Blocks {
   static constexpr bool kPerHalf = false;
   static int64_t stride(int64_t blocks) { return blocks; }
   static float scalar(const T* column, int64_t block, int64_t, int64_t) { return column[block]; }
+  static float scalar_min(const T* column, int64_t block, int64_t) { return column[block]; }
 #if SPECD_AVX2
   template <int S>
   static __m256 lanes(const T* column, int64_t, int64_t first) { return group_lanes<S>(column + first); }
   static __m256 eight(const T* column, int64_t b, int64_t blocks) { return load_floats8(column + b, blocks - b); }
+#endif
+};
+
+struct KBlocks {
+  using T = uint8_t;
+  static constexpr bool kPerHalf = false;
+  static constexpr int64_t kSuperBytes = 24;
+  static int64_t stride(int64_t blocks) { return blocks / 8 * kSuperBytes; }
+  static const T* super_of(const T* column, int64_t block) { return column + block / 8 * kSuperBytes; }
+  static float float_at(const T* p) {
+    float value;
+    std::memcpy(&value, p, sizeof(value));
+    return value;
+  }
+  static float scalar(const T* column, int64_t block, int64_t, int64_t) {
+    const T* super = super_of(column, block);
+    return float_at(super + 16) * static_cast<float>(super[block % 8]);
+  }
+  static float scalar_min(const T* column, int64_t block, int64_t) {
+    const T* super = super_of(column, block);
+    return -float_at(super + 20) * static_cast<float>(super[8 + block % 8]);
+  }
+#if SPECD_AVX2
+  template <int S>
+  static __m256 lanes(const T* column, int64_t, int64_t first) {
+    if constexpr (S == 4) {  // whole super-blocks: every group is four blocks of one super-block
+      const T* super = super_of(column, first);
+      int32_t four;
+      std::memcpy(&four, super + first % 8, sizeof(four));
+      const __m128 sc = _mm_cvtepi32_ps(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(four)));
+      return _mm256_mul_ps(_mm256_set_m128(sc, sc), _mm256_set1_ps(float_at(super + 16)));
+    } else {  // not reached (rows are whole super-blocks); the scalar values, for completeness
+      float v[4];
+      for (int i = 0; i < 4; ++i) v[i] = scalar(column, first + i % S, 0, 0);
+      const __m128 four = _mm_loadu_ps(v);
+      return _mm256_set_m128(four, four);
+    }
+  }
+  static __m256 eight(const T* column, int64_t b, int64_t) {  // b: a multiple of 8, the first block of a super-block
+    const T* super = super_of(column, b);
+    const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(super + 8))));
+    return _mm256_mul_ps(m, _mm256_set1_ps(-float_at(super + 20)));
+  }
 #endif
 };
 
@@ -811,7 +861,7 @@ inline float dot_q4(const uint8_t* w, const typename Layout::T* w_scale, const t
     const Group g = group_of(b, blocks);
     const int64_t lane = g.index * 8 + (b - g.first);  // the block's first lane
     acc += static_cast<float>(dot) * (Layout::scalar(w_scale, b, 0, blocks) * x.row_scales(row)[lane]);
-    min_part += Layout::scalar(w_min, b, 0, blocks) * x.row_sums(row)[b];
+    min_part += Layout::scalar_min(w_min, b, blocks) * x.row_sums(row)[b];
   }
   return acc + min_part;
 }
@@ -889,7 +939,7 @@ at::Tensor q4_run(const at::Tensor& x, const QuantRows& q, const at::Tensor& cod
   const int64_t n = codes.size(0), k = codes.size(1) * 2, blocks = k / kBlock, stride = Layout::stride(blocks);
   const uint8_t* w = codes.data_ptr<uint8_t>();
   const T* ws = scales.data_ptr<T>();
-  const T* wm = mins.data_ptr<T>();
+  const T* wm = std::is_same_v<Layout, KBlocks> ? ws : mins.data_ptr<T>();  // KBlocks: the mins are in the scales
 #if SPECD_AVX2
   return run_tiles(Q4Tile<Layout>{w, ws, wm, q, blocks, stride}, x.size(0), n, output_dtype(x, float_out));
 #else
@@ -900,13 +950,24 @@ at::Tensor q4_run(const at::Tensor& x, const QuantRows& q, const at::Tensor& cod
 }
 
 // x: [m, k] float32/bfloat16; codes: [n, k / 2] uint8 in group order; scales, mins: [n, k / 32] float16 (F16Blocks)
-// or float32 (F32Blocks). Returns [m, n] in x's dtype, or float32 when float_out.
+// or float32 (F32Blocks); or scales [n, k / 256 * 24] uint8 (KBlocks) with mins [n, 0].
+// Returns [m, n] in x's dtype, or float32 when float_out.
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
                      bool float_out) {
   const int64_t n = codes.size(0), k = codes.size(1) * 2, blocks = k / kBlock;
   check_activations(x, k, "q4_linear");
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.is_contiguous(), "q4_linear: codes must be contiguous uint8");
   const at::ScalarType scale_type = scales.scalar_type();
+  if (scale_type == at::kByte) {
+    TORCH_CHECK(blocks % 8 == 0, "q4_linear: K-quant scales need inputs in whole super-blocks of 256, got ", k);
+    TORCH_CHECK(scales.is_contiguous() && scales.dim() == 2 && scales.size(0) == n &&
+                    scales.size(1) == KBlocks::stride(blocks) && mins.dim() == 2 && mins.size(0) == n &&
+                    mins.size(1) == 0,
+                "q4_linear: K-quant scales must be contiguous uint8 [", n, ", ", KBlocks::stride(blocks),
+                "] and mins [", n, ", 0]");
+    const QuantRows q = quantize(x);
+    return q4_run<KBlocks>(x, q, codes, scales, mins, float_out);
+  }
   for (const at::Tensor* t : {&scales, &mins}) {
     TORCH_CHECK((scale_type == at::kHalf || scale_type == at::kFloat) && t->scalar_type() == scale_type &&
                     t->is_contiguous() && t->dim() == 2 && t->size(0) == n && t->size(1) == blocks,

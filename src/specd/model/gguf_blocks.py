@@ -5,15 +5,16 @@
 | Q4_0      | 32 inputs: d f16, 16 bytes of nibbles (18)      | d * (q - 8)                | q4, float16 scale/min  |
 | Q4_1      | 32 inputs: d, m f16, 16 bytes of nibbles (20)   | d * q + m                  | q4, float16 scale/min  |
 | Q8_0      | 32 inputs: d f16, 32 int8 (34)                  | d * q                      | q8, float16 scale      |
-| Q4_K      | 256 inputs: d, dmin f16, 12 bytes of 6-bit      | d * sc_j * q - dmin * m_j  | q4, float32 scale/min  |
-|           | (sc, m) for 8 sub-blocks of 32, 128 bytes (144) |                            | per block of 32        |
+| Q4_K      | 256 inputs: d, dmin f16, 12 bytes of 6-bit      | d * sc_j * q - dmin * m_j  | q4, its own sc, m as   |
+|           | (sc, m) for 8 sub-blocks of 32, 128 bytes (144) |                            | bytes, d, dmin float32 |
 | Q6_K      | 256 inputs: 128 bytes low nibbles, 64 bytes of  | d * sc_j * (q - 32)        | q8, float32 scale per  |
 |           | 2-bit highs, 16 int8 sc, d f16 (210)            |                            | 16 inputs (lanes)      |
 
 Nibble order: Q4_0/Q4_1 byte i of a block holds inputs i (low) and i + 16 (high), the q4 kernel's own order.
 Q4_K's 64-input chunks hold sub-block 2j in the low nibbles and 2j + 1 in the high ones (byte l: input l of
 each), repacked here. Q4_K's d * sc and dmin * m are exact in float32 (an 11-bit significand times a 6-bit
-integer) but not in float16, hence the float32 layouts; -8 * d for Q4_0 is exact in float16.
+integer) but not in float16: the kernel forms them from the file's own sc, m, d and dmin (24 bytes per 256 inputs),
+and Q6_K's d * sc are stored in float32; -8 * d for Q4_0 is exact in float16.
 
 Every other type (float, Q5_*, Q2_K, Q3_K, IQ*) has no kernel here: `block_weight` returns None and the loader
 converts its dequantized values, saying so.
@@ -26,7 +27,7 @@ from collections.abc import Callable
 import gguf
 import torch
 
-from specd.kernels.blockquant import BLOCK, Q4Weight, Q8Weight
+from specd.kernels.blockquant import BLOCK, Q4Weight, Q8Weight, pack_k_scales
 
 KernelWeight = Q4Weight | Q8Weight
 T = gguf.GGMLQuantizationType
@@ -74,9 +75,8 @@ def _q4_k(raw: torch.Tensor, out: int, blocks: int) -> KernelWeight:  # raw [out
     sc, m = _k_scales(b[..., 4:16])  # [out, supers, 8]
     qs = b[..., 16:].reshape(out, supers, 4, 32)  # 4 chunks of 64 inputs
     q = torch.stack([qs & 0x0F, qs >> 4], dim=3).reshape(out, blocks, BLOCK)  # sub-block 2j, then 2j + 1
-    scales = (d.unsqueeze(-1) * sc.float()).reshape(out, blocks)
-    mins = (-(dmin.unsqueeze(-1) * m.float())).reshape(out, blocks)
-    return Q4Weight.from_block_order(_pack_nibbles(q), scales, mins)
+    return Q4Weight.from_block_order(_pack_nibbles(q), pack_k_scales(d, sc, dmin, m),
+                                     torch.empty(out, 0, dtype=torch.uint8))
 
 
 def _q6_k(raw: torch.Tensor, out: int, blocks: int) -> KernelWeight:  # raw [out, supers * 210]

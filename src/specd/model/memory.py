@@ -42,7 +42,9 @@ class MemoryEstimate(NamedTuple):
 def _block_bytes(kind: str, scales: str, numel: int) -> int:
     blocks = numel // BLOCK
     code_bytes = numel // 2 if kind == "q4" else numel
-    scale_bytes = {"f16": 2, "f32": 4, "lanes": 8}[scales] * blocks * (2 if kind == "q4" else 1)
+    if scales == "k":  # Q4_K's own 24 bytes per 8 blocks
+        return code_bytes + blocks * 3
+    scale_bytes = {"f16": 2, "lanes": 8}[scales] * blocks * (2 if kind == "q4" else 1)
     return code_bytes + scale_bytes
 
 
@@ -53,7 +55,7 @@ def _quantized_bytes(file_type: str, numel: int, head: bool) -> int:
     except KeyError:  # a torch dtype name (safetensors) or an unknown type: converted from floats
         kind = None
     if kind == "q4":
-        return _block_bytes("q4", "f32" if file_type == "Q4_K" else "f16", numel)
+        return _block_bytes("q4", "k" if file_type == "Q4_K" else "f16", numel)
     if kind == "q8":
         return _block_bytes("q8", "lanes" if file_type == "Q6_K" else "f16", numel)
     float_file = file_type in ("F32", "F16", "BF16", "F64", "float32", "float16", "bfloat16", "float64")
