@@ -12,7 +12,10 @@ cached in `--cache`. Their text is noise; their speed, memory and engine-vs-engi
 Each engine runs in its own worker process (bench/decode.py's runners), loaded once; the rounds interleave them.
 Per file and engine:
 - load s: the engine's load call, in a fresh process (specd: LLM(...) including its kernels' first use);
-- RSS MiB: resident memory after load and one warm-up request; peak: the process's high-water mark then;
+- RSS MiB: resident memory after load and one warm-up request, and the KV cache inside it (llama.cpp allocates
+  its contexts' whole n_ctx at load: 2,048 tokens for batch 1 plus 8 x 2,048 for batch 8; specd's grows with the
+  tokens in flight), so "RSS less KV" compares the engines' weights and runtime; peak: the high-water mark after
+  the load;
 - TTFT ms at each prompt length (max_tokens 1) and decode tok/s at batch 1 and 8 (greedy, EOS ignored);
 - precision (`--kl-sizes`): teacher-forced next-token distributions over `--kl-positions` positions of a natural-text
   prompt, against specd's float32 mode (the file's values dequantized exactly): mean KL(float32 || engine) and top-1
@@ -102,6 +105,18 @@ def _teacher_forced_logits(runner: Any, engine: str, token_ids: list[int]) -> np
     return prompt_logits(runner.llm.model, token_ids).to(torch.float32).numpy()
 
 
+def kv_cache_mib(runner: Any, engine: str) -> float:
+    """The KV cache the engine holds now: llama.cpp allocates its contexts' whole n_ctx (f16 keys and values) at
+    load; specd's cache grows with the tokens in flight."""
+    if engine == "llama.cpp":
+        lib = runner.lib
+        n_layer, n_embd = lib.llama_model_n_layer(runner.model), lib.llama_model_n_embd(runner.model)
+        n_head, n_head_kv = lib.llama_model_n_head(runner.model), lib.llama_model_n_head_kv(runner.model)
+        per_token = 2 * n_layer * n_head_kv * (n_embd // n_head) * 2
+        return sum(lib.llama_n_ctx(ctx) for ctx in runner.contexts.values()) * per_token / 2**20
+    return sum(t.numel() * t.element_size() for t in runner.llm.engine.cache.kv) / 2**20
+
+
 def serve_worker(engine: str, path: Path, dtype: str) -> None:
     """Worker process: load one engine, report load time and memory, then answer JSON requests on stdin."""
     start = time.perf_counter()
@@ -111,7 +126,8 @@ def serve_worker(engine: str, path: Path, dtype: str) -> None:
     _, load_peak = memory_mib()
     runner.run([[1, 2, 3]], 4)  # warm-up: first-call allocations and lazy initialisation
     rss, peak = memory_mib()
-    print(json.dumps({"load_s": load_s, "rss_mib": rss, "peak_mib": peak, "load_peak_mib": load_peak}), flush=True)
+    print(json.dumps({"load_s": load_s, "rss_mib": rss, "peak_mib": peak, "load_peak_mib": load_peak,
+                      "kv_mib": kv_cache_mib(runner, engine)}), flush=True)
     for line in sys.stdin:
         request = json.loads(line)
         if "logits_of" in request:
@@ -268,9 +284,11 @@ def render(report: list[dict[str, Any]], args: argparse.Namespace) -> str:
             decode = [spread([RunTiming(**r).decode_rate for r in runs[name]]) for name in ("decode_b1", "decode_b8")]
             kl = entry.get("precision", {}).get(engine)
             rows.append([f"{entry['size']} {entry['type']}", f"{entry['file_mib']:.0f}", engine,
-                         f"{memory['load_s']:.2f}", f"{memory['rss_mib']:.0f}", f"{memory['load_peak_mib']:.0f}",
+                         f"{memory['load_s']:.2f}", f"{memory['rss_mib']:.0f}", f"{memory['kv_mib']:.0f}",
+                         f"{memory['rss_mib'] - memory['kv_mib']:.0f}", f"{memory['load_peak_mib']:.0f}",
                          *ttft, *decode, "-" if kl is None else f"{kl[0]:.4f} / {kl[1]:.3f}"])
-    return markdown_table(["model", "file MiB", "engine", "load s", "RSS MiB", "peak MiB (load)",
+    return markdown_table(["model", "file MiB", "engine", "load s", "RSS MiB", "of it KV MiB", "RSS less KV MiB",
+                           "peak MiB (load)",
                            *(f"TTFT ms @{n}" for n in args.prompt_lengths), "decode tok/s b1", "decode tok/s b8",
                            "KL / top-1 vs float32"], rows)
 
