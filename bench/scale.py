@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import decode
 from common import default_gguf, markdown_table
 from decode import LLAMA_CPP_INSTALL, LlamaCppRunner, RunTiming, SpecdRunner, quiet_llama_cpp
 from prompts import prompts_of
@@ -139,19 +140,15 @@ def serve_worker(engine: str, path: Path, dtype: str) -> None:
         print(json.dumps(timing._asdict()), flush=True)
 
 
-class Worker:
+class Worker(decode.Worker):
+    """bench/decode.py's worker protocol (a JSON line each way) over this file's worker: it reports its load first,
+    and answers logits requests beside timing ones."""
+
     def __init__(self, engine: str, path: Path, dtype: str = "default") -> None:
         self.engine = engine
         self.proc = subprocess.Popen([sys.executable, __file__, "--worker", engine, str(path), dtype],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.loaded = self._read()
-
-    def _read(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            raise SystemExit(f"worker {self.engine} exited (code {self.proc.wait()})")
-        return json.loads(line)
 
     def request(self, request: dict[str, Any]) -> dict[str, Any]:
         assert self.proc.stdin is not None
@@ -159,17 +156,9 @@ class Worker:
         self.proc.stdin.flush()
         return self._read()
 
-    def run(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> RunTiming:
-        return RunTiming(**self.request({"prompts": [list(p) for p in prompts], "max_tokens": max_tokens}))
-
     def logits(self, token_ids: list[int], out: Path) -> np.ndarray:
         self.request({"logits_of": token_ids, "out": str(out)})
         return np.load(out)
-
-    def close(self) -> None:
-        if self.proc.stdin is not None:
-            self.proc.stdin.close()
-        self.proc.wait(timeout=120)
 
 
 # ---------------------------------------------------------------------------------------------- precision
