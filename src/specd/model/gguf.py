@@ -243,11 +243,6 @@ class GgufWeights(LazyWeights):
         return weight if weight is None or order is None else weight.rows(order)
 
 
-def gguf_size_estimate(gguf_file: GgufFile) -> int:
-    """The bytes of the file's tensors (what the quantized weights take once loaded, roughly)."""
-    return sum(info.num_bytes for info in gguf_file.tensors.values())
-
-
 def gguf_arch_config(gguf_file: GgufFile) -> ModelArchConfig:
     tensors = gguf_file.tensors
     return ModelArchConfig.from_gguf_metadata(
