@@ -10,15 +10,15 @@ build time from /proc/cpuinfo (`cpu_isa`): AVX2 + FMA + F16C intrinsics where al
 of 1-2 rows stay 256-bit); the scalar C++ loops otherwise. Each under its own extension name, so builds never
 overwrite each other. All of them give the same bits: the integer dots are exact whichever instructions add them
 up. Every build is compiled with OpenMP, so the kernels' column tiles run on torch's intra-op threads (without
--fopenmp, ATen's header-only `parallel_for` runs serially: until session 17 the GEMMs used one core of two, and an
-int4 decode step was ~1.5x slower for it).
+-fopenmp, ATen's header-only `parallel_for` runs serially: the GEMMs would use one core of two, and an int4 decode
+step was measured ~1.5x slower for it).
 
 The kernels are ON by default wherever they build: SPECD_NATIVE_KERNELS=0 opts out (the model then keeps torch's
 int4/int8 kernels), =scalar builds and uses the scalar loops even on an AVX2 CPU, =avx2 the AVX2 kernels without
 VNNI or AVX-512 even where the CPU has them. A failed build warns once and
-returns None: callers fall back to the torch path. (Session 5 shipped them off, because greedy speculation differed
-from plain int4 decoding with them on; the cause was in attention, not here: torch's bmm rounded a verified row
-differently from the same row decoded alone, see model/attention.py.)
+returns None: callers fall back to the torch path. (Greedy speculation token-identical to plain decoding with them on
+depends on attention as much as on them: torch's bmm rounds a verified row differently from the same row decoded
+alone, see model/attention.py.)
 """
 
 from __future__ import annotations

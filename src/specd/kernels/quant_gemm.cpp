@@ -239,9 +239,17 @@ inline __m256i unpack_q4(const uint8_t* w) {
                           _mm256_set1_epi8(0x0F));
 }
 
-// Weights stream from memory once per call at one row: each group's cache lines of the column two 4-column tiles
-// ahead are requested before they are needed (a prefetch past the last column is harmless).
+// Weights stream from memory once per call at few rows, so each group asks for lines it will need soon (a prefetch
+// past the last column is harmless): in 4-column tiles, the same group of the column two tiles ahead; a column at
+// a time (1-2 rows, one sequential stream), the line kPrefetchBytes ahead (4 KiB: 2-16 KiB measured the same
+// within this VM's run-to-run spread of up to 1.5x).
 constexpr int64_t kPrefetchColumns = 8;
+constexpr int64_t kPrefetchBytes = 4096;
+
+template <int C>
+inline int64_t prefetch_distance(int64_t column_bytes) {
+  return C == 1 ? kPrefetchBytes : kPrefetchColumns * column_bytes;
+}
 
 inline __m256i load32(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 
@@ -444,7 +452,7 @@ struct Q4Tile {
     template <int S>
     void group(int64_t g, int64_t first) const {
       [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
-      const int64_t prefetch = kPrefetchColumns * (tile.x.k / 2);
+      const int64_t prefetch = prefetch_distance<C>(tile.x.k / 2);
       for (int c = 0; c < C; ++c) {
         const uint8_t* wg = w[c] + first * 16;
         _mm_prefetch(reinterpret_cast<const char*>(wg + prefetch), _MM_HINT_T0);
@@ -638,7 +646,7 @@ struct Q8Tile {
     template <int S>
     void group(int64_t g, int64_t first) const {
       [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
-      const int64_t prefetch = kPrefetchColumns * tile.x.k;
+      const int64_t prefetch = prefetch_distance<C>(tile.x.k);
       for (int c = 0; c < C; ++c) {
         const int8_t* wg = w[c] + first * kBlock;
         for (int t = 0; t < S; t += 2) _mm_prefetch(reinterpret_cast<const char*>(wg + prefetch + 32 * t), _MM_HINT_T0);
@@ -765,9 +773,9 @@ void run_pair_tile(const PairTile& pairs, int64_t rows, int64_t row0, int64_t co
 }
 #endif
 
-// One tile of `rows` (1..4) x 4 columns into out [rows, 4]; 3-4 rows as two halves of 2 columns, so a tile's
-// accumulators stay in registers. (Measured: 5-8 rows a column at a time, each unpacked group serving 8 rows, ran
-// 4-12% slower than two 4-row tiles.)
+// One tile of `rows` (1..4) x 4 columns into out [rows, 4]: 1-2 rows a column at a time, 3-4 rows as two halves of
+// 2 columns, so a tile's accumulators stay in registers. (Measured: 5-8 rows a column at a time, each unpacked group
+// serving 8 rows, ran 4-12% slower than two 4-row tiles.)
 template <typename Tile>
 void run_tile(const Tile& tile, int64_t rows, int64_t row0, int64_t col0, float* out) {
 #if SPECD_ZMM
@@ -782,8 +790,12 @@ void run_tile(const Tile& tile, int64_t rows, int64_t row0, int64_t col0, float*
   }
 #endif
   switch (rows) {
-    case 1: tile.template run<1, 4>(row0, col0, out, 4); return;
-    case 2: tile.template run<2, 4>(row0, col0, out, 4); return;
+    // 1-2 rows: a column at a time, so the weights stream from memory in one sequential run (a 4-column tile reads
+    // four streams a row apart, which the CPU's prefetchers follow worse: measured at 1 row on a 2-core EPYC,
+    // 8192 x 2048 q4, cold: 23 GB/s as 4-column tiles, 44 GB/s a column at a time; a column's bits are the same
+    // in either, see reduce_store)
+    case 1: for (int c = 0; c < 4; ++c) tile.template run<1, 1>(row0, col0 + c, out + c, 4); return;
+    case 2: for (int c = 0; c < 4; ++c) tile.template run<2, 1>(row0, col0 + c, out + c, 4); return;
     case 3: for (int h = 0; h < 2; ++h) tile.template run<3, 2>(row0, col0 + 2 * h, out + 2 * h, 4); return;
     default: for (int h = 0; h < 2; ++h) tile.template run<4, 2>(row0, col0 + 2 * h, out + 2 * h, 4);
   }
