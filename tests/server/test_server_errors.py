@@ -67,6 +67,7 @@ BAD_CHAT_BODIES = [
      "messages[0].content", "invalid_type"),
     ({"messages": "hi"}, "messages", "invalid_type"),
     ({"messages": [{"role": "user", "content": None}]}, "messages[0].content", "invalid_value"),
+    ({"messages": [{"role": "user", "content": []}]}, "messages[0].content", "invalid_value"),
     ({"messages": [{"role": "user"}]}, "messages[0].content", "missing_required_parameter"),
     ({"messages": [{"role": "user", "content": "x", "surname": "bob"}]}, "messages[0].surname",
      "unsupported_parameter"),
@@ -163,6 +164,12 @@ def test_api_key_required(spec_server):
         assert httpx.get(f"{spec_server.url}/v1/models", headers=headers, timeout=10).status_code == 401
     with pytest.raises(openai.AuthenticationError):
         spec_server.client(api_key="wrong").models.list()
+    # the scheme's name is case-insensitive (RFC 7235); the key is not
+    for scheme in ("bearer", "BEARER", "Bearer "):
+        headers = {"Authorization": f"{scheme} {spec_server.api_key}"}
+        assert httpx.get(f"{spec_server.url}/v1/models", headers=headers, timeout=10).status_code == 200
+    wrong_case = {"Authorization": f"bearer {spec_server.api_key.upper()}"}
+    assert httpx.get(f"{spec_server.url}/v1/models", headers=wrong_case, timeout=10).status_code == 401
     # Probes and scrapers need no key.
     assert httpx.get(f"{spec_server.url}/health", timeout=10).status_code == 200
     assert httpx.get(f"{spec_server.url}/metrics", timeout=10).status_code == 200

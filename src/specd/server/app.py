@@ -128,9 +128,10 @@ def build_app(llm: LLM, settings: ServerSettings, registry: CollectorRegistry) -
     async def authorize(request: Request) -> None:
         if settings.api_key is None:
             return
-        header = request.headers.get("authorization", "")
-        expected = f"Bearer {settings.api_key}"
-        if not secrets.compare_digest(header.encode(), expected.encode()):
+        # "Bearer" is matched case-insensitively: an auth scheme's name is (RFC 7235, section 2.1)
+        scheme, _, token = request.headers.get("authorization", "").strip().partition(" ")
+        matches = secrets.compare_digest(token.strip().encode(), settings.api_key.encode())
+        if scheme.lower() != "bearer" or not matches:
             raise APIError(401, "missing or invalid API key (send 'Authorization: Bearer <key>')",
                            error_type="authentication_error", code="invalid_api_key")
 

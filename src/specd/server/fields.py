@@ -114,6 +114,9 @@ def _judge_messages(messages: list[object]) -> tuple[list[Offense], bool]:
         if "content" in message and message["content"] is None and not assistant:
             out.append(Offense(f"messages[{i}].content", "may be null only in an assistant message",
                                "invalid_value"))
+        if message.get("content") == [] and not assistant:
+            out.append(Offense(f"messages[{i}].content", "must not be an empty list: send at least one text part",
+                               "invalid_value"))
         if "content" not in message and not assistant:
             out.append(Offense(f"messages[{i}].content", "is required (except in an assistant message)",
                                "missing_required_parameter"))
