@@ -26,8 +26,8 @@
 // Every output element is computed by the same instructions in the same order from its own weight row and its
 // own activation row, whatever the number of rows in the batch and whichever tile it falls in: a token's result
 // does not depend on its neighbours (speculative verification relies on it). Tiles of up to 4 rows (8 in the
-// 512-bit build, see SPECD_ZMM) x 4 columns share each unpacked weight group among their rows and each activation
-// load among their columns; work is split over column tiles, on torch's intra-op threads: at::parallel_for is a header template that runs
+// 512-bit build, see SPECD_ZMM) x 4 columns share each unpacked weight group among their rows and, from 3 rows, each
+// activation load among their columns (1-2 rows take a tile's columns one by one, see run_tile); work is split over column tiles, on torch's intra-op threads: at::parallel_for is a header template that runs
 // its loop on OpenMP threads only where the including file is compiled with -fopenmp, and serially otherwise
 // (kernels/__init__.py builds with it; `parallel_width` reports how many threads a loop really ran on).
 

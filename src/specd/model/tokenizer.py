@@ -78,6 +78,8 @@ def _validate_messages(messages: Sequence[Mapping[str, str]], roles: frozenset[s
         role, content = message.get("role"), message.get("content")
         if not isinstance(role, str) or not role:
             raise InvalidParameterError(f"messages[{i}].role", f"must be a non-empty string, got {role!r}")
+        if role == "developer" and role not in roles:
+            role = "system"  # OpenAI's current name for the system role, for templates that do not name it
         if role not in roles:
             # The role is written into the prompt as is: an unknown one could carry control text with it.
             raise InvalidParameterError(

@@ -234,10 +234,7 @@ class OpenAIServing:
         tokenizer = self._llm.tokenizer
         if tokenizer is None:
             raise bad_request("this model has no tokenizer / chat template", "messages")
-        # OpenAI's "developer" role is what "system" was before it: a template that does not name it gets "system"
-        renamed = {} if "developer" in tokenizer.chat_roles else {"developer": "system"}
-        messages = [{"role": renamed.get(m.role, m.role), "content": m.text()}  # tool_call_id, name: unused
-                    for m in request.messages]
+        messages = [{"role": m.role, "content": m.text()} for m in request.messages]  # tool_call_id, name: unused
         self._check_num_chars(sum(len(m["content"]) for m in messages), "messages")
         try:
             # The template writes its own BOS (as LLM.chat does).
