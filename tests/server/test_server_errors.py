@@ -140,6 +140,23 @@ def test_malformed_json_and_non_object(spec_server):
     _good_request_works(spec_server)
 
 
+def test_json_nested_past_the_parser_limit_names_the_limit(spec_server):
+    # A valid body whose json_schema nests 250 levels: not "malformed", and the message says what the limit is.
+    schema: dict = {"type": "object"}
+    for _ in range(250):
+        schema = {"type": "object", "properties": {"a": schema}}
+    body = {"messages": [{"role": "user", "content": "x"}],
+            "response_format": {"type": "json_schema", "json_schema": {"name": "deep", "schema": schema}}}
+    error = _error(spec_server.post("/v1/chat/completions", json=body), 400)
+    assert error["code"] == "json_too_deep" and "malformed" not in error["message"]
+    assert "200 levels deep" in error["message"]
+    shallow = {"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "integer"}}}}}
+    body["response_format"]["json_schema"]["schema"] = shallow
+    body["max_tokens"] = 4
+    assert spec_server.post("/v1/chat/completions", json=body).status_code == 200
+    _good_request_works(spec_server)
+
+
 def test_too_long_prompt_is_context_length_exceeded(spec_server):
     error = _error(spec_server.post("/v1/completions", json={"prompt": "y" * 400}), 400)
     assert (error["param"], error["code"]) == ("prompt", "context_length_exceeded")

@@ -91,6 +91,24 @@ def test_large_body_is_413_at_once_while_health_stays_fast(guarded):
     _good_request_works(guarded)
 
 
+@pytest.mark.parametrize("size", [256 * 1024, 4 * 1024 * 1024])
+def test_async_clients_read_the_413(guarded, size):
+    # The OpenAI SDK runs on async httpx, which reads the answer only after its upload: a 413 sent before the
+    # body is read, with the connection closed under the upload, reaches it as a connection error (and the SDK
+    # retries the upload). A body up to the drain limit is read and dropped, then answered.
+    import asyncio
+
+    async def post() -> httpx.Response:
+        async with httpx.AsyncClient(timeout=30) as client:
+            return await client.post(f"{guarded.url}/v1/completions", content=b"{" + b" " * size + b"}",
+                                     headers={**guarded.auth, "Content-Type": "application/json"})
+
+    for _ in range(3):
+        error = _error(asyncio.run(post()), 413)
+        assert error["code"] == "request_too_large"
+    _good_request_works(guarded)
+
+
 def test_slow_body_gets_408(guarded):
     with _raw_connection(guarded) as connection:
         connection.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"

@@ -203,7 +203,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
                    help="seconds in-flight requests get to finish on shutdown; then streams end with an error "
                    "event and the rest get 503")
     g.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
-                   help="larger request bodies get 413 and are not read")
+                   help="larger request bodies get 413 (the rest of one, up to 32 MiB, is read and dropped first)")
     g.add_argument("--header-timeout", type=float, default=10.0,
                    help="close connections whose request headers are not complete within this many seconds")
     g.add_argument("--body-timeout", type=float, default=30.0,

@@ -83,6 +83,10 @@ def invalid_request(offenses: Sequence[Offense]) -> APIError:
                        code=first.code)
 
 
+# The depth pydantic's JSON parser reads (the body's own object counted); deeper JSON fails as "recursion limit".
+MAX_JSON_DEPTH = 200
+
+
 def from_validation_error(exc: ValidationError, model: type[BaseModel]) -> APIError:
     """Every pydantic error in one 400, each with `param` as a dotted path of request fields (`messages[0].content`)."""
     return invalid_request(validation_offenses(exc, model))
@@ -94,14 +98,17 @@ def validation_offenses(exc: ValidationError, model: type[BaseModel]) -> list[Of
     out: list[Offense] = []
     for error in exc.errors(include_url=False):
         offense = _offense(error["type"], tuple(error["loc"]), error["msg"], model)
-        if offense.code == "invalid_json":
-            raise bad_request(offense.message, None, code="invalid_json")
+        if offense.code in ("invalid_json", "json_too_deep"):
+            raise bad_request(offense.message, None, code=offense.code)
         if all(o.param != offense.param for o in out):
             out.append(offense)
     return out
 
 
 def _offense(kind: str, loc: tuple[int | str, ...], msg: str, model: type[BaseModel]) -> Offense:
+    if kind == "json_invalid" and "recursion limit" in msg:  # valid JSON, but past the parser's depth
+        return Offense(None, f"the JSON body nests objects and arrays more than {MAX_JSON_DEPTH} levels deep, the "
+                       f"parser's limit ({msg})", "json_too_deep")
     if kind == "json_invalid":
         return Offense(None, f"malformed JSON body: {msg}", "invalid_json")
     if kind == "extra_forbidden":

@@ -74,20 +74,29 @@ def check_json_content_type(request: Request) -> None:
         )
 
 
+# How much of a refused body is still read (and dropped) before the 413. Clients that write the whole body before
+# reading the answer (async httpx, which the OpenAI SDK runs on) see a 413 sent over an unread upload as a
+# connection reset, and retry. Past this, or past the body timeout, the connection is closed under the upload.
+MAX_DRAIN_BYTES = 32 * 1024 * 1024
+
+
 async def read_body(request: Request, max_bytes: int, timeout_s: float) -> bytes:
-    """The request body, refused with 413 as soon as it is known to exceed `max_bytes` (from Content-Length,
-    before reading anything, or while reading a chunked body) and with 408 if it has not fully arrived
-    `timeout_s` after the headers. Raises ClientDisconnected if the client hangs up mid-upload."""
+    """The request body, refused with 413 once it is known to exceed `max_bytes` (from Content-Length, or while
+    reading a chunked body), after reading and dropping the rest of it up to MAX_DRAIN_BYTES within the time
+    left, so the client reads the answer; 408 if it has not fully arrived `timeout_s` after the headers.
+    Raises ClientDisconnected if the client hangs up mid-upload."""
     declared = request.headers.get("content-length")
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
     if declared is not None:
         if not declared.isdigit():
             raise APIError(400, f"Content-Length must be a number of bytes, got {declared[:40]!r}",
                            param="Content-Length", code="invalid_value")
         if int(declared) > max_bytes:
+            if int(declared) <= MAX_DRAIN_BYTES:
+                await _drain(request, 0, deadline)
             raise _too_large(f"Content-Length is {declared}", max_bytes)
     body = bytearray()
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
     while True:
         try:
             message = await asyncio.wait_for(request.receive(), max(0.0, deadline - loop.time()))
@@ -100,14 +109,32 @@ async def read_body(request: Request, max_bytes: int, timeout_s: float) -> bytes
             raise ClientDisconnected(f"during upload, after {len(body)} of {declared or 'unknown'} bytes")
         body += message.get("body", b"")
         if len(body) > max_bytes:
-            raise _too_large(f"{len(body)} bytes arrived so far", max_bytes)
+            seen = len(body)
+            if message.get("more_body", False):
+                await _drain(request, seen, deadline)
+            raise _too_large(f"{seen} bytes arrived so far", max_bytes)
         if not message.get("more_body", False):
             return bytes(body)
 
 
+async def _drain(request: Request, received: int, deadline: float) -> None:
+    """Read and drop the rest of the body, up to MAX_DRAIN_BYTES in all and until `deadline`; returns early,
+    never raises, if the client hangs up, the limit is reached or time runs out."""
+    loop = asyncio.get_running_loop()
+    while received <= MAX_DRAIN_BYTES:
+        try:
+            message = await asyncio.wait_for(request.receive(), max(0.0, deadline - loop.time()))
+        except asyncio.TimeoutError:
+            return
+        if message["type"] == "http.disconnect":
+            return
+        received += len(message.get("body", b""))
+        if not message.get("more_body", False):
+            return
+
+
 def _too_large(seen: str, max_bytes: int) -> APIError:
-    # Connection: close, so the rest of the upload is never read (the client's HTTP stack still gets this
-    # answer: it reads the response when its write fails).
+    # Connection: close: whatever of the upload was not drained is never read.
     return APIError(
         413, f"request body is over the {max_bytes}-byte limit (--max-body-bytes): {seen}",
         code="request_too_large", headers={"Connection": "close"},

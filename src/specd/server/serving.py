@@ -350,10 +350,16 @@ class OpenAIServing:
         self, stream: DeltaStream, http_request: Request, renderer: Renderer, num_prompt_tokens: int,
         include_usage: bool,
     ) -> AsyncIterator[str]:
-        """SSE frames. The choices are aborted if the client goes away or the generator is closed early."""
+        """SSE frames. The choices are aborted if the client goes away or the generator is closed early.
+
+        A failed step ends the stream with an error event at once. Choices cut by the shutdown grace period end
+        as a finished stream does (each choice's final chunk, finish_reason "abort", and the usage chunk when
+        asked for), then the error event says why: clients that stop reading at an error (the OpenAI SDK
+        raises) have read the finish and the usage first."""
         choices = [ChoiceState(i) for i in range(len(stream.request_ids))]
         by_id = dict(zip(stream.request_ids, choices))
         watcher = asyncio.create_task(_abort_on_disconnect(http_request, stream))
+        shutdown: RequestDelta | None = None
         try:
             for payload in renderer.preamble(len(choices)):
                 yield _frame(payload)
@@ -361,14 +367,18 @@ class OpenAIServing:
                 choice = by_id[delta.request_id]
                 if delta.finished:
                     choice.final = delta
-                if delta.error is not None:
+                if delta.error is not None and not cut_by_shutdown(delta):
                     yield _frame(f'{{"error": {_generation_error(delta).info.model_dump_json()}}}')
                     break
+                if delta.error is not None:
+                    shutdown = shutdown or delta
                 if renderer.worth_sending(delta) and (payload := renderer.chunk(choice, delta)) is not None:
                     yield _frame(payload)
             else:
                 if include_usage:
                     yield _frame(renderer.usage_chunk(request_usage(num_prompt_tokens, choices, self._k_max)))
+                if shutdown is not None:
+                    yield _frame(f'{{"error": {_generation_error(shutdown).info.model_dump_json()}}}')
             yield _frame("[DONE]")
         finally:
             watcher.cancel()

@@ -19,7 +19,7 @@ class ServerSettings:
     engine_stop_timeout_s: how long shutdown waits for the engine thread after aborting every request.
     shutdown_grace_s: after SIGINT/SIGTERM, how long requests in flight may still run; those left then end
         with an error event (streams) or a 503.
-    max_body_bytes: request bodies above this get 413 (read no further).
+    max_body_bytes: request bodies above this get 413 (the rest of a body up to 32 MiB is read and dropped first).
     header_timeout_s / body_timeout_s: a connection whose request headers / body have not fully arrived within
         this long is closed / answered 408 (slow clients cannot hold connections open).
     allowed_hosts: Host header names served besides 127.0.0.1, localhost and ::1 ("*": any).
