@@ -115,11 +115,12 @@ class Runner(Protocol):
 
 
 class SpecdRunner:
-    def __init__(self, dtype: str, threads: int | None, model: str = "default") -> None:
+    def __init__(self, dtype: str, threads: int | None, model: str = "default", thread_policy: str = "adaptive"
+                 ) -> None:
         from specd.llm import LLM
 
         kwargs: dict[str, Any] = {} if dtype == "default" else {"dtype": dtype}
-        self.llm = LLM(model, max_num_seqs=8, num_threads=threads, **kwargs)
+        self.llm = LLM(model, max_num_seqs=8, num_threads=threads, thread_policy=thread_policy, **kwargs)
 
     def run(self, prompts: Sequence[Sequence[int]], max_tokens: int) -> RunTiming:
         from specd.sampling.params import SamplingParams
@@ -264,10 +265,10 @@ class TransformersRunner:
         return clock.result()
 
 
-def make_runner(engine: str, threads: int | None) -> Runner:
+def make_runner(engine: str, threads: int | None, thread_policy: str = "adaptive") -> Runner:
     name, _, option = engine.partition(":")
     if name in ("specd", "specd-torch"):  # the worker's environment already chose the kernels
-        return SpecdRunner(option or "default", threads)
+        return SpecdRunner(option or "default", threads, thread_policy=thread_policy)
     if name == "llama.cpp":
         return LlamaCppRunner(threads)
     if name == "transformers":
@@ -277,9 +278,9 @@ def make_runner(engine: str, threads: int | None) -> Runner:
     )
 
 
-def serve_worker(engine: str, threads: int | None) -> None:
+def serve_worker(engine: str, threads: int | None, thread_policy: str = "adaptive") -> None:
     """Worker process: load one engine, then answer one JSON request per stdin line on stdout."""
-    runner = make_runner(engine, threads)
+    runner = make_runner(engine, threads, thread_policy)
     runner.run([[1, 2, 3]], 4)  # warm-up: first-call allocations and lazy initialisation
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
@@ -289,9 +290,12 @@ def serve_worker(engine: str, threads: int | None) -> None:
 
 
 class Worker:
-    def __init__(self, engine: str, threads: int | None) -> None:
+    """One engine in its own process (bench/decode.py --worker); `thread_policy` is specd's (llama.cpp ignores it)."""
+
+    def __init__(self, engine: str, threads: int | None, thread_policy: str = "adaptive") -> None:
         self.engine = engine
         thread_args = ["--threads", str(threads)] if threads else []
+        thread_args += ["--thread-policy", thread_policy]
         env = os.environ.copy()
         if engine.partition(":")[0] == "specd-torch":
             env["SPECD_NATIVE_KERNELS"] = "0"
@@ -355,11 +359,13 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, help="threads of every engine (default: each engine's own choice)")
+    ap.add_argument("--thread-policy", default="adaptive", choices=("adaptive", "fixed"),
+                    help="specd's --thread-policy (fixed: always --threads, or every CPU)")
     ap.add_argument("--json", type=Path, help="also write every run's timings here")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        serve_worker(args.worker, args.threads)
+        serve_worker(args.worker, args.threads, args.thread_policy)
         return
     engines = list(args.engines)
     if "llama.cpp" in engines:
@@ -370,7 +376,7 @@ def main() -> None:
                   file=sys.stderr)
             engines.remove("llama.cpp")
     cases = build_cases(args.kinds, args.batch8_kind or None)
-    workers = [Worker(engine, args.threads) for engine in engines]
+    workers = [Worker(engine, args.threads, args.thread_policy) for engine in engines]
     timings: dict[tuple[str, int, str], list[RunTiming]] = {}
     try:
         for round_index in range(args.rounds):

@@ -21,6 +21,9 @@ DType = Literal["float32", "bfloat16", "int4", "float64"]
 DTYPES: dict[str, torch.dtype] = dict(
     zip(get_args(DType), (torch.float32, torch.bfloat16, torch.bfloat16, torch.float64), strict=True)
 )
+# How the engine's CPU threads are counted (specd/threads.py): "adaptive" runs as many as the cores other processes
+# leave free, measured every half second; "fixed" always runs num_threads (or every available CPU).
+ThreadPolicy = Literal["adaptive", "fixed"]
 # `method` value that turns speculation off; every other value names a registered proposer.
 SPEC_OFF = "off"
 # The log line runs on its own timer thread: a shorter interval would mostly log its own overhead.
@@ -121,7 +124,10 @@ class EngineConfig:
     max_num_seqs: sequences running at once (KV-cache slots). max_model_len: prompt + output tokens per
     sequence. max_num_batched_tokens: token budget of one step (decode + draft tokens + prefill chunks);
     a prompt longer than what is left is prefilled in chunks across steps. max_waiting: queue limit
-    (0 = unbounded); beyond it add_request raises QueueFullError.
+    (0 = unbounded); beyond it add_request raises QueueFullError. num_threads: the most CPU threads a forward
+    uses (None: torch's setting when the engine is built, capped by the CPUs the process may run on and its
+    cgroup quota); thread_policy: "adaptive" lowers that to the cores other processes leave free, "fixed"
+    keeps it.
     """
 
     model: str = "default"
@@ -135,6 +141,7 @@ class EngineConfig:
     log_stats_interval_s: float = 0.0
     spec_trace_path: str | None = None
     num_threads: int | None = None
+    thread_policy: ThreadPolicy = "adaptive"
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -156,6 +163,8 @@ class EngineConfig:
             )
         if self.num_threads is not None:
             require_int("num_threads", self.num_threads)
+        if self.thread_policy not in get_args(ThreadPolicy):
+            raise InvalidParameterError("thread_policy", f"must be one of {', '.join(get_args(ThreadPolicy))}")
         if not isinstance(self.speculation, SpeculationConfig):
             raise InvalidParameterError("speculation", "must be a SpeculationConfig")
 

@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, get_args
 
-from specd.config import DType, EngineConfig, SpeculationConfig, k_policies, spec_methods
+from specd.config import DType, EngineConfig, SpeculationConfig, ThreadPolicy, k_policies, spec_methods
 
 
 class ConfigFlag(NamedTuple):
@@ -54,7 +54,10 @@ MODEL_FLAGS = (
     ConfigFlag("--max-num-seqs", "max_num_seqs"),
     ConfigFlag("--max-model-len", "max_model_len"),
     ConfigFlag("--max-num-batched-tokens", "max_num_batched_tokens"),
-    ConfigFlag("--threads", "num_threads", type=int, help="torch CPU threads (default: torch's choice)"),
+    ConfigFlag("--threads", "num_threads", type=int,
+               help="the most CPU threads (default: the CPUs this process may use, cgroup quota included)"),
+    ConfigFlag("--thread-policy", "thread_policy", choices=lambda: get_args(ThreadPolicy),
+               help="adaptive: run as many threads as the cores other processes leave free; fixed: always --threads"),
     ConfigFlag("--seed", "seed", help="engine seed for requests without their own"),
 )
 SPECULATION_FLAGS = (

@@ -26,6 +26,7 @@ from specd.model.tokenizer import Tokenizer
 from specd.sampling.params import SamplingParams
 from specd.speculation.proposer import Proposer
 from specd.speculation.registry import build_proposer
+from specd.threads import max_threads
 
 __all__ = ["LLM", "EngineState", "Prompt"]
 
@@ -40,6 +41,8 @@ class EngineState(NamedTuple):
     kv_used_slots: int
     kv_free_slots: int
     num_in_line: int = 0  # the server's admission line (requests waiting for room in the queue); 0 here
+    num_threads: int = 1  # CPU threads the engine's forwards run now (specd/threads.py)
+    free_cpus: float | None = None  # cores other processes left free in the last window (None: not measured)
 
 
 @dataclass(slots=True)
@@ -72,6 +75,10 @@ class LLM:
         estimate = estimate_memory(checkpoint.state_dict, checkpoint.config, config.torch_dtype, config.int4_weights,
                                    config.max_num_seqs, config.max_model_len)
         check_fits(estimate, available_memory(), checkpoint.source)
+        # The load's own parallel work (repacking) on this thread: as many threads as the engine may run at most,
+        # a container's CPU quota included, which OpenMP's default ignores. This also sets torch's default for
+        # threads started later; the engine sets the count of the thread that steps it (specd/threads.py).
+        torch.set_num_threads(max_threads(config.num_threads))
         target = build_model(
             checkpoint.config, checkpoint.state_dict, config.torch_dtype, max_positions=config.max_model_len,
             int4=config.int4_weights,
@@ -110,8 +117,6 @@ class LLM:
         sinks: Sequence[StatsSink],
         proposer: Proposer | None = None,
     ) -> None:
-        if config.num_threads is not None:
-            torch.set_num_threads(config.num_threads)  # process-wide: torch has no per-engine setting
         self.config = config
         self.tokenizer = tokenizer
         self.model = model
@@ -272,10 +277,11 @@ class LLM:
         return self.engine.queue_room()
 
     def engine_state(self) -> EngineState:
-        """Requests running and waiting, KV-cache slots used and free (call between steps)."""
+        """Requests running and waiting, KV-cache slots used and free, CPU threads (call between steps)."""
         cache = self.engine.cache
+        threads = self.engine.threads.state
         return EngineState(self.engine.num_running, self.engine.num_waiting, cache.num_used_slots,
-                           cache.num_free_slots)
+                           cache.num_free_slots, num_threads=threads.num_threads, free_cpus=threads.free_cpus)
 
     def get_metrics(self) -> dict[str, Any]:
         """Cumulative speculation metrics (JSON-ready), same definitions as every other sink.

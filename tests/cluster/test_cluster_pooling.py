@@ -114,7 +114,7 @@ def test_pooled_stats_body_sums_live_engines_and_lists_replicas(replicas):
     local = {"model": "tiny", "metrics": {"counters": {}}, "engine": {}, "uptime_s": 1.0}
     body = pooled_spec_stats(local, entries, K_MAX)
     assert body["engine"] == {"num_running": 2, "num_waiting": 4, "kv_used_slots": 2, "kv_free_slots": 14,
-                              "num_in_line": 0}
+                              "num_in_line": 0, "num_threads": 2, "free_cpus": None}
     assert [row["replica"] for row in body["replicas"]] == ["a", "b"]
     assert [row["finished_requests"] for row in body["replicas"]] == [2, 4]
     assert body["metrics"]["counters"]["drafts"] == _sum_usage(replicas, "drafts")

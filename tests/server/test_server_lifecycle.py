@@ -48,6 +48,9 @@ def test_stream_disconnect_aborts_and_frees_kv(server):
     metrics = server.metrics()
     assert metrics[("specd_num_requests_running", (("model", server.model),))] == 0
     assert metrics[("specd_kv_cache_used_slots", (("model", server.model),))] == 0
+    state = server.llm.engine_state()  # the thread gauges publish what the engine thread runs
+    assert metrics[("specd_cpu_threads", (("model", server.model),))] == state.num_threads >= 1
+    assert ("specd_cpu_free_cores", (("model", server.model),)) in metrics
     # The abort's partial output is still counted, and its speculation stats were closed.
     assert metrics[("specd_generation_tokens_total", (("model", server.model),))] >= 1
     assert server.llm.engine.recorder.live_request_ids == ()
@@ -130,8 +133,9 @@ def test_step_crash_fails_requests_in_flight_only(server):
 
 
 def test_shutdown_past_the_grace_period_ends_requests_properly(make_llm, start_server, caplog):
-    """Requests still running when the grace period ends: a stream gets a final error event and [DONE], a
-    non-streaming request a 503; nothing is cancelled mid-write and nothing logs a traceback."""
+    """Requests still running when the grace period ends: a stream ends as a finished one does (its final chunk
+    with finish_reason "abort", the usage chunk), then an error event saying why and [DONE]; a non-streaming
+    request gets a 503; nothing is cancelled mid-write and nothing logs a traceback."""
     registry = CollectorRegistry()
     llm = make_llm(registry, step_delay_s=0.02, max_num_seqs=2)
     lines: list[str] = []
@@ -139,8 +143,9 @@ def test_shutdown_past_the_grace_period_ends_requests_properly(make_llm, start_s
     with caplog.at_level(logging.INFO):
         with start_server(llm, registry, shutdown_grace_s=0.5) as live:
             def read() -> None:
-                with httpx.stream("POST", f"{live.url}/v1/completions", json={**LONG, "stream": True},
-                                  headers=live.auth, timeout=30) as response:
+                body = {**LONG, "stream": True, "stream_options": {"include_usage": True}}
+                with httpx.stream("POST", f"{live.url}/v1/completions", json=body, headers=live.auth,
+                                  timeout=30) as response:
                     lines.extend(response.iter_lines())
 
             def wait() -> None:
@@ -160,7 +165,13 @@ def test_shutdown_past_the_grace_period_ends_requests_properly(make_llm, start_s
     assert events[-1] == "data: [DONE]"
     final = json.loads(events[-2].removeprefix("data: "))["error"]
     assert (final["code"], final["type"]) == ("server_shutting_down", "service_unavailable_error")
-    assert 0 < len(events) - 2 < LONG["max_tokens"]  # it was cut, after some tokens
+    usage = json.loads(events[-3].removeprefix("data: "))
+    assert usage["choices"] == [] and 0 < usage["usage"]["completion_tokens"] < LONG["max_tokens"]
+    last_choice = json.loads(events[-4].removeprefix("data: "))["choices"][0]
+    assert last_choice["finish_reason"] == "abort"
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-3]]
+    assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])  # one final chunk, the last
+    assert 0 < len(chunks) < LONG["max_tokens"]  # it was cut, after some tokens
     error = answers[0].json()["error"]
     assert answers[0].status_code == 503 and error["code"] == "server_shutting_down"
     assert llm.engine.cache.num_used_slots == 0 and not llm.engine.has_unfinished()

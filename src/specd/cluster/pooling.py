@@ -114,7 +114,10 @@ def pooled_spec_stats(local_body: dict[str, Any], entries: Sequence[BoardEntry],
     body = dict(local_body)
     body["metrics"] = pooled_snapshot(entries, k_max).to_dict()
     live = [entry.report.engine for entry in entries if entry.live]
-    body["engine"] = {field: sum(getattr(state, field) for state in live) for field in EngineState._fields}
+    # free_cpus is each replica's view of its own machine: summing views of one machine would count a core twice,
+    # so the pooled body leaves it to the replicas' rows.
+    body["engine"] = {field: None if field == "free_cpus" else sum(getattr(state, field) for state in live)
+                      for field in EngineState._fields}
     body["replicas"] = [_replica_row(entry) for entry in entries]
     return body
 

@@ -34,6 +34,7 @@ from specd.sampling.penalties import TokenHistory, adjust_logits
 from specd.sampling.rejection import RejectionResult, verify
 from specd.speculation.k_policy import DraftOutcome, EngineLoad, StepReport
 from specd.speculation.proposer import Proposer
+from specd.threads import ThreadGovernor, max_threads
 
 logger = logging.getLogger("specd.engine")
 
@@ -101,6 +102,8 @@ class LLMEngine:
         self.constraints = Constraints(tokenizer, model.config.vocab_size)
         self.scheduler = Scheduler(self.cache, config.max_num_seqs, config.max_num_batched_tokens)
         self.recorder = SpecStatsRecorder(config.speculation.metrics_k_max, sinks=stats_sinks)
+        # The threads of this engine's forwards, set on whichever thread steps it (specd/threads.py).
+        self.threads = ThreadGovernor(max_threads(config.num_threads), config.thread_policy)
         self._seqs: dict[str, Sequence] = {}
         self._next_seq_id = 0
         self._pending: list[RequestDelta] = []
@@ -246,6 +249,7 @@ class LLMEngine:
                                  _schedule_k0_causes(scheduled, wanted), after_prompt=not self._last_decode_only)
         self._last_decode_only = progress.decode_only
         error: Exception | None = None
+        self.threads.adjust()
         try:
             self._run(scheduled, progress)
             self._record(progress)

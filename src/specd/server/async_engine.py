@@ -332,7 +332,7 @@ class AsyncEngine:
         self.finish_rate = self._finish_rate.per_second(time.monotonic())
         if self._metrics is not None:
             self._metrics.set_engine_state(state.num_running, state.num_waiting, state.kv_used_slots,
-                                           state.num_in_line)
+                                           state.num_in_line, state.num_threads, state.free_cpus)
 
 
 def _deliver(items: list[tuple[asyncio.Queue[RequestDelta], RequestDelta]]) -> None:

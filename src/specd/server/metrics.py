@@ -11,6 +11,8 @@ With vllm_compat the figures that have a vLLM v1 counterpart are written under v
 
 from __future__ import annotations
 
+import math
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from specd.engine.outputs import RequestDelta
@@ -68,6 +70,15 @@ class RequestMetrics:
             "specd_kv_cache_used_slots", "KV-cache slots in use (one per running sequence).",
             labels, registry=registry,
         ).labels(model_name)
+        self._threads = Gauge(
+            "specd_cpu_threads", "CPU threads the engine's forwards run (--thread-policy adaptive: the free cores).",
+            labels, registry=registry,
+        ).labels(model_name)
+        self._free_cpus = Gauge(
+            "specd_cpu_free_cores",
+            "Cores of the process's CPUs that other processes left free over the last half second (NaN: not "
+            "measured, --thread-policy fixed).", labels, registry=registry,
+        ).labels(model_name)
         self._ttft = Histogram(
             "specd_time_to_first_token_seconds", "Arrival in the engine to first emitted token.",
             labels, buckets=_LATENCY_BUCKETS, registry=registry,
@@ -114,7 +125,10 @@ class RequestMetrics:
         self._model_name = model_name
         self._vllm = _VllmRequestMetrics(registry, model_name, vllm_engine) if vllm_compat else None
 
-    def set_engine_state(self, num_running: int, num_waiting: int, kv_used_slots: int, num_in_line: int = 0) -> None:
+    def set_engine_state(self, num_running: int, num_waiting: int, kv_used_slots: int, num_in_line: int = 0,
+                         num_threads: int = 1, free_cpus: float | None = None) -> None:
+        self._threads.set(num_threads)
+        self._free_cpus.set(math.nan if free_cpus is None else free_cpus)
         self._running.set(num_running)
         self._waiting.set(num_waiting)
         self._kv_used.set(kv_used_slots)

@@ -328,6 +328,8 @@ class EngineStateInfo(BaseModel):
     kv_used_slots: int
     kv_free_slots: int
     num_in_line: int  # waiting in the admission line for room in the waiting queue
+    num_threads: int  # CPU threads the forwards run now
+    free_cpus: float | None  # cores other processes left free in the last half second (None: not measured)
 
 
 class SpecStatsResponse(BaseModel):
