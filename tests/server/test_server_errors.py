@@ -83,9 +83,9 @@ BAD_CHAT_BODIES = [
     ({"messages": [{"role": "user", "content": "x"}], "response_format": {
         "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "frobnicate"}}}},
      "response_format.json_schema", "invalid_value"),
-    ({"messages": [{"role": "user", "content": "x"}], "tools": [_TOOL]}, "tool_choice", "unsupported_value"),
-    ({"messages": [{"role": "user", "content": "x"}], "tools": [_TOOL], "tool_choice": "auto"}, "tool_choice",
-     "unsupported_value"),
+    # tools alone are "auto" (a constraint: text or calls), which cannot be combined with a response format
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [_TOOL], "response_format": {"type": "json_object"}},
+     "tool_choice", "invalid_value"),
     ({"messages": [{"role": "user", "content": "x"}], "tool_choice": "required"}, "tool_choice", "invalid_value"),
     ({"messages": [{"role": "user", "content": "x"}], "tools": [_TOOL],
       "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice.function.name",

@@ -18,10 +18,6 @@ METADATA_FIELDS = ("user", "store", "metadata", "service_tier", "prompt_cache_ke
 MESSAGE_NAME_FIELD = "messages[].name"
 # Fields that each ask for an output constraint; one request may carry one.
 GUIDED_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
-NO_TOOL_PARSER = (
-    'needs a tool-call parser to tell a call from plain text, and specd has none: send "required" or '
-    '{"type": "function", "function": {"name": ...}} (forced through constrained decoding), or "none"'
-)
 
 
 class Judgement(NamedTuple):
@@ -81,10 +77,7 @@ def _judge_tools(body: Mapping[str, Any]) -> list[Offense]:
         out.append(Offense("tools", f"function names must be unique; repeated: {', '.join(duplicates)}",
                            "invalid_value"))
     choice = tool_choice_of(body)
-    if choice == "auto" and names:
-        given = "auto" if body.get("tool_choice") is not None else "its default (auto, since tools are given)"
-        out.append(Offense("tool_choice", f"{given} {NO_TOOL_PARSER}", "unsupported_value"))
-    elif choice == "required" and not names:
+    if choice == "required" and not names:
         out.append(Offense("tool_choice", '"required" needs a non-empty tools list', "invalid_value"))
     elif isinstance(choice, Mapping) and isinstance(choice.get("function"), Mapping):
         name = choice["function"].get("name")
@@ -134,7 +127,7 @@ def constraint_sources(body: Mapping[str, Any], chat: bool) -> list[str]:
         if isinstance(response_format, Mapping) and response_format.get("type") in ("json_object", "json_schema"):
             sources.append("response_format")
         choice = tool_choice_of(body)
-        if choice == "required" or isinstance(choice, Mapping):
+        if choice == "required" or isinstance(choice, Mapping) or (choice == "auto" and body.get("tools")):
             sources.append("tool_choice")
     return sources
 

@@ -107,9 +107,9 @@ class ChatMessage(_Strict):
     tool_calls: list[ToolCall] | None = None  # assistant messages
     tool_call_id: str | None = None  # tool messages
 
-    def text(self) -> str:
+    def text(self, call_tag: str = "") -> str:
         """The content as the chat template sees it; an assistant's tool calls are written as the JSON they were
-        generated as (a list of {"name", "arguments"} objects)."""
+        generated as (`call_tag`, then a list of {"name", "arguments"} objects)."""
         if isinstance(self.content, str):
             text = self.content
         else:
@@ -117,7 +117,7 @@ class ChatMessage(_Strict):
         if self.tool_calls:
             calls = [{"name": c.function.name, "arguments": _json_or_text(c.function.arguments)}
                      for c in self.tool_calls]
-            text += json.dumps(calls)
+            text += call_tag + json.dumps(calls)
         return text
 
 

@@ -30,12 +30,11 @@ from specd.server.protocol import (
     CompletionResponse,
     FunctionCallDelta,
     SpeculativeDecodingUsage,
-    ToolCall,
     ToolCallDelta,
     TopLogprob,
     Usage,
 )
-from specd.server.structured import forced_tool, new_call_id, tool_calls
+from specd.server.structured import ParsedCalls, forced_tool, is_call_text, new_call_id, tool_calls
 
 
 @dataclass(slots=True)
@@ -189,7 +188,7 @@ class CompletionRenderer(Renderer):
 
 
 class ChatRenderer(Renderer):
-    """tools: the request when its output is forced tool calls (structured.calls_tools), else None."""
+    """tools: the request when its output may be tool calls (structured.calls_tools), else None."""
 
     def __init__(self, response_id: str, created: int, model: str, top_logprobs: int | None,
                  tokenizer: Tokenizer | None, tools: ChatCompletionRequest | None = None) -> None:
@@ -220,25 +219,30 @@ class ChatRenderer(Renderer):
     def chunk(self, choice: ChoiceState, delta: RequestDelta) -> str | None:
         logprobs = self._logprobs(delta.new_logprobs or [])
         if self._tools is None:
-            return self._chunk([ChatChunkChoice(index=choice.index, delta=ChatDelta(content=delta.new_text),
-                                                logprobs=logprobs, finish_reason=delta.finish_reason)])
+            return self._content_chunk(choice, delta, logprobs)
         choice.text.append(delta.new_text)
         if forced_tool(self._tools) is not None:
             return self._named_call_chunk(choice, delta, logprobs)
-        # "required": a list of calls, sent whole once it is complete (it cannot be split into calls before).
+        text = "".join(choice.text)
+        is_call = is_call_text(self._tools, text)
+        if is_call is False:  # "auto" answered in text: streamed as content (every delta before was empty)
+            return self._content_chunk(choice, delta, logprobs)
+        # A list of calls, sent whole once finished (it cannot be split into calls before); "auto" output that
+        # has not decided yet sends nothing.
         if not delta.finished:
             return None
-        text = "".join(choice.text)
-        calls = tool_calls(self._tools, text, choice.tool_call_ids)
-        if calls is None:  # cut short (max_tokens, stop): the text as it is, with its finish_reason
-            out = ChatDelta(content=text)
-        else:
-            out = ChatDelta(tool_calls=[
-                ToolCallDelta(index=i, id=c.id, type="function",
-                              function=FunctionCallDelta(name=c.function.name, arguments=c.function.arguments))
-                for i, c in enumerate(calls)])
+        parsed = tool_calls(self._tools, text, choice.tool_call_ids) if is_call else None
+        calls = parsed.calls if parsed is not None else []
+        out = ChatDelta(tool_calls=[
+            ToolCallDelta(index=i, id=c.id, type="function",
+                          function=FunctionCallDelta(name=c.function.name, arguments=c.function.arguments))
+            for i, c in enumerate(calls)] or None)
         return self._chunk([ChatChunkChoice(index=choice.index, delta=out, logprobs=logprobs,
-                                            finish_reason=_call_finish_reason(delta.finish_reason, calls))])
+                                            finish_reason=_call_finish_reason(delta.finish_reason, parsed))])
+
+    def _content_chunk(self, choice: ChoiceState, delta: RequestDelta, logprobs: ChatLogprobs | None) -> str:
+        return self._chunk([ChatChunkChoice(index=choice.index, delta=ChatDelta(content=delta.new_text),
+                                            logprobs=logprobs, finish_reason=delta.finish_reason)])
 
     def _named_call_chunk(self, choice: ChoiceState, delta: RequestDelta, logprobs: ChatLogprobs | None) -> str:
         """A named call streams its arguments as they are generated; the first chunk carries its id and name."""
@@ -252,8 +256,8 @@ class ChatRenderer(Renderer):
                                                                    arguments=delta.new_text))
         finish_reason = delta.finish_reason
         if delta.finished:
-            complete = tool_calls(self._tools, "".join(choice.text), list(choice.tool_call_ids)) is not None
-            finish_reason = "tool_calls" if complete and finish_reason == "stop" else finish_reason
+            finish_reason = _call_finish_reason(finish_reason, tool_calls(self._tools, "".join(choice.text),
+                                                                          list(choice.tool_call_ids)))
         return self._chunk([ChatChunkChoice(index=choice.index, delta=ChatDelta(tool_calls=[call]), logprobs=logprobs,
                                             finish_reason=finish_reason)])
 
@@ -264,15 +268,17 @@ class ChatRenderer(Renderer):
         out = []
         for c in choices:
             text = "".join(c.text)
-            calls = None if self._tools is None else tool_calls(self._tools, text, c.tool_call_ids)
-            message = ChatResponseMessage(content=text) if calls is None else ChatResponseMessage(content=None,
-                                                                                               tool_calls=calls)
+            parsed = None if self._tools is None else tool_calls(self._tools, text, c.tool_call_ids)
+            message = ChatResponseMessage(content=text) if parsed is None else ChatResponseMessage(
+                content=None, tool_calls=parsed.calls or None)
             out.append(ChatChoice(index=c.index, message=message, logprobs=self._logprobs(c.logprobs),
-                                  finish_reason=_call_finish_reason(c.finish_reason, calls)))
+                                  finish_reason=_call_finish_reason(c.finish_reason, parsed)))
         return ChatCompletionResponse(id=self.response_id, created=self.created, model=self.model, choices=out,
                                       usage=usage)
 
 
-def _call_finish_reason(finish_reason: str | None, calls: list[ToolCall] | None) -> str | None:
-    """OpenAI ends a choice that made tool calls with "tool_calls"; a cut-short one keeps its own reason."""
-    return "tool_calls" if calls is not None and finish_reason == "stop" else finish_reason
+def _call_finish_reason(finish_reason: str | None, parsed: ParsedCalls | None) -> str | None:
+    """OpenAI ends a choice that made whole tool calls with "tool_calls"; a cut one keeps its own reason
+    ("length": max_tokens; "stop": a stop string), so a client can tell its arguments are incomplete."""
+    complete = parsed is not None and parsed.complete and bool(parsed.calls)
+    return "tool_calls" if complete and finish_reason == "stop" else finish_reason

@@ -12,6 +12,7 @@ cover is refused before it is tokenized.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import threading
@@ -46,7 +47,14 @@ from specd.server.render import (
     Renderer,
     request_usage,
 )
-from specd.server.structured import calls_tools, structured_output
+from specd.server.structured import (
+    TOOL_CALL_TAG,
+    auto_tools,
+    calls_tools,
+    structured_output,
+    tool_result_as_user,
+    with_tool_instructions,
+)
 
 _DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to "what fits"
 _RequestT = TypeVar("_RequestT", bound=BaseModel)
@@ -128,10 +136,12 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ endpoints
     async def completions(self, body: bytes, http_request: Request) -> Response:
-        return await self._generate(await asyncio.to_thread(self._prepare_completion, body), http_request)
+        prepared = await asyncio.to_thread(self._prepare_completion, body)
+        return await self._generate(prepared, http_request, _retry_key(body, http_request))
 
     async def chat(self, body: bytes, http_request: Request) -> Response:
-        return await self._generate(await asyncio.to_thread(self._prepare_chat, body), http_request)
+        return await self._generate(await asyncio.to_thread(self._prepare_chat, body), http_request,
+                                    _retry_key(body, http_request))
 
     # ------------------------------------------------------------------ request -> engine requests (worker thread)
     def _prepare_completion(self, body: bytes) -> _Prepared:
@@ -234,7 +244,13 @@ class OpenAIServing:
         tokenizer = self._llm.tokenizer
         if tokenizer is None:
             raise bad_request("this model has no tokenizer / chat template", "messages")
-        messages = [{"role": m.role, "content": m.text()} for m in request.messages]  # tool_call_id, name: unused
+        auto = auto_tools(request)
+        # tool_call_id, name: unused. With "auto", earlier calls are written as the model is asked to write them.
+        messages = [{"role": m.role, "content": m.text(TOOL_CALL_TAG if auto else "")} for m in request.messages]
+        if "tool" not in tokenizer.chat_roles:  # a template without a tool role: results come back as user turns
+            messages = [tool_result_as_user(m) if m["role"] == "tool" else m for m in messages]
+        if auto:  # the model decides whether to call, so it must be told what it can call
+            messages = with_tool_instructions(messages, request, tokenizer.chat_roles)
         self._check_num_chars(sum(len(m["content"]) for m in messages), "messages")
         try:
             # The template writes its own BOS (as LLM.chat does).
@@ -293,9 +309,9 @@ class OpenAIServing:
         )
 
     # ------------------------------------------------------------------ engine requests -> HTTP
-    async def _generate(self, prepared: _Prepared, http_request: Request) -> Response:
+    async def _generate(self, prepared: _Prepared, http_request: Request, retry_key: str) -> Response:
         request, renderer, num_prompt_tokens = prepared.request, prepared.renderer, prepared.num_prompt_tokens
-        stream = await self._admit(prepared, http_request)
+        stream = await self._admit(prepared, http_request, retry_key)
         headers = {IGNORED_FIELDS_HEADER: ", ".join(prepared.ignored)} if prepared.ignored else {}
         if request.stream:
             include_usage = request.stream_options is not None and request.stream_options.include_usage
@@ -307,10 +323,11 @@ class OpenAIServing:
         # pydantic writes non-finite floats (a -inf logprob) as null; json.dumps would write invalid JSON.
         return Response(body.model_dump_json(), media_type="application/json", headers=headers)
 
-    async def _admit(self, prepared: _Prepared, http_request: Request) -> DeltaStream:
+    async def _admit(self, prepared: _Prepared, http_request: Request, retry_key: str) -> DeltaStream:
         """Add the engine requests (waiting in line for room up to queue_timeout_s); a client that hangs up
-        meanwhile leaves the line."""
-        add = asyncio.ensure_future(self._engine.add_requests(prepared.engine_requests, self._queue_timeout_s))
+        meanwhile leaves the line. If refused, room is held for the same request sent again (retry_key)."""
+        add = asyncio.ensure_future(self._engine.add_requests(prepared.engine_requests, self._queue_timeout_s,
+                                                              retry_key))
         gone = asyncio.ensure_future(_disconnected(http_request))
         try:
             await asyncio.wait({add, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -383,6 +400,17 @@ class OpenAIServing:
         finally:
             watcher.cancel()
             stream.abort()
+
+
+def _retry_key(body: bytes, http_request: Request) -> str:
+    """What a retry of this request has in common with it: the same credentials and the same body (the OpenAI
+    SDK and most clients resend the request as it was)."""
+    digest = hashlib.sha256(http_request.headers.get("authorization", "").encode())
+    digest.update(b"\0")
+    digest.update(http_request.url.path.encode())
+    digest.update(b"\0")
+    digest.update(body)
+    return digest.hexdigest()
 
 
 def _sampling_params(request: SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
