@@ -6,12 +6,10 @@ import concurrent.futures
 from dataclasses import dataclass, field
 
 from specd.server.admission import (
-    RESERVATION_GRACE_S,
     RETRY_AFTER_MAX_S,
     RETRY_AFTER_UNKNOWN_RATE_S,
     AdmissionLine,
     FinishRate,
-    Reservations,
     retry_after_s,
 )
 
@@ -82,20 +80,3 @@ def test_retry_after_is_the_time_for_enough_finishes():
     assert retry_after_s(0, 2.0) == 1 and retry_after_s(-4, 50.0) == 1  # at least one finish, at least 1 s
     assert retry_after_s(10_000, 0.5) == RETRY_AFTER_MAX_S
     assert retry_after_s(3, None) == RETRY_AFTER_UNKNOWN_RATE_S == retry_after_s(3, 0.0)
-
-
-def test_reservations_hold_room_in_refusal_order_until_they_expire():
-    held = Reservations(limit=3)
-    assert held.hold("a", 1, retry_after_s=2, now=0.0) and held.hold("b", 2, retry_after_s=2, now=0.0)
-    assert not held.hold("c", 1, retry_after_s=2, now=0.0)  # 3 requests held already: no more
-    assert held.before("a", 1.0) == 0 and held.before("b", 1.0) == 1 and held.before(None, 1.0) == 3
-    assert held.hold("a", 1, retry_after_s=10, now=1.0)  # refused again: renewed, keeping its place
-    assert held.before("b", 1.5) == 1
-    held.release("a")
-    assert held.before("b", 2.0) == 0 and held.num_held() == 2
-    assert held.before(None, 2.0 + RESERVATION_GRACE_S) == 0  # b's hold ran out: nothing held
-
-
-def test_line_counts_the_room_held_for_earlier_refusals():
-    line: AdmissionLine[_Batch] = AdmissionLine(limit=2)
-    assert line.can_join(2) and not line.can_join(1, reserved=2) and line.can_join(1, reserved=1)

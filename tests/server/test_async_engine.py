@@ -156,33 +156,6 @@ def test_full_queue_line_is_first_come_first_served(engine_and_llm):
     _wait_for(lambda: llm.engine.cache.num_used_slots == 0 and not llm.engine.has_unfinished())
 
 
-def test_a_refused_batch_that_retries_goes_before_newcomers(engine_and_llm):
-    """Without held room, the slot a refused client was told to wait for goes to whoever asks first once it
-    frees (a client that honours Retry-After loses every race). With it, a newcomer is refused while the
-    earlier refusal's room is held, and the refused batch, sent again, is admitted."""
-    engine, llm, _ = engine_and_llm
-
-    async def main() -> None:
-        running = await engine.add_requests([_request(llm, "r-0"), _request(llm, "r-1")])
-        waiting = await engine.add_requests([_request(llm, "w-0"), _request(llm, "w-1")])  # queue full
-        with pytest.raises(QueueFullError):
-            await engine.add_requests([_request(llm, "a-0")], retry_key="client-a")
-        waiting.abort()  # two places in the queue free up
-        while engine.state.num_waiting:
-            await asyncio.sleep(0.01)
-        newcomer = await engine.add_requests([_request(llm, "n-0")], retry_key="client-n")  # 1 of 2 left
-        with pytest.raises(QueueFullError) as refused:  # the last place is client-a's
-            await engine.add_requests([_request(llm, "n-1")], retry_key="client-n2")
-        assert "room held for 1 refused earlier" in str(refused.value)
-        retried = await engine.add_requests([_request(llm, "a-1")], retry_key="client-a")
-        for stream in (running, newcomer, retried):
-            stream.abort()
-            assert [d.finish_reason async for d in stream if d.finished] == ["abort"]  * len(stream.request_ids)
-
-    asyncio.run(asyncio.wait_for(main(), 60))
-    _wait_for(lambda: llm.engine.cache.num_used_slots == 0 and not llm.engine.has_unfinished())
-
-
 def test_line_entry_that_times_out_never_runs(engine_and_llm):
     engine, llm, _ = engine_and_llm
     # Hold the engine while "gave-up" waits: on a fast machine the tiny model can finish a 150-token

@@ -2,10 +2,7 @@
 and, for requests refused anyway, a Retry-After estimated from the queue and the rate requests finish at.
 
 With only "503, retry in 1 s", clients race for each freed slot and the unlucky one loses every race (one of
-16 clients needed 31 attempts). Waiting in line keeps arrival order; the estimate spreads retries out. A batch
-refused even so (the line full, or its wait over) is told when to come back, and the room it was told to wait
-for is held for it (`Reservations`): until then, or until it returns, newcomers cannot take it, so a client that
-honours Retry-After keeps its place instead of losing to whoever arrives the moment a slot frees.
+16 clients needed 31 attempts). Waiting in line keeps arrival order; the estimate spreads retries out.
 Everything here runs on the engine thread, except `retry_after_s`, which reads published numbers.
 """
 
@@ -47,11 +44,8 @@ class AdmissionLine(Generic[_W]):
     def __bool__(self) -> bool:
         return bool(self._entries)
 
-    def can_join(self, num_requests: int, reserved: int = 0) -> bool:
-        """Whether a batch may join, with `reserved` requests of room promised to batches before it."""
-        if not self._entries and not reserved:
-            return True
-        return self.num_requests + reserved + num_requests <= self.limit
+    def can_join(self, num_requests: int) -> bool:
+        return not self._entries or self.num_requests + num_requests <= self.limit
 
     def join(self, entry: _W) -> None:
         self._entries.append(entry)
@@ -77,48 +71,6 @@ class AdmissionLine(Generic[_W]):
 
     def _pop(self) -> None:
         self.num_requests -= self._entries.popleft().num_requests
-
-
-RESERVATION_GRACE_S = 5.0  # how long past its Retry-After a refused batch's room is held
-
-
-class Reservations:
-    """Room held for refused batches, by key (a hash of the client's credentials and body: a retry sends the same
-    bytes), oldest first; each expires RESERVATION_GRACE_S after the Retry-After it was given, so a client that
-    never comes back holds nothing for long. At most `limit` requests are held in all (engine thread only)."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self._held: dict[str, tuple[int, float]] = {}  # key -> (num_requests, expires at), in order of refusal
-
-    def hold(self, key: str, num_requests: int, retry_after_s: float, now: float) -> bool:
-        """Hold room for a refused batch (or renew its hold, keeping its place); False if the holds are full."""
-        self.expire(now)
-        if key not in self._held and self.num_held() + num_requests > self.limit:
-            return False
-        self._held[key] = (num_requests, now + retry_after_s + RESERVATION_GRACE_S)  # a renewal keeps its place
-        return True
-
-    def before(self, key: str | None, now: float) -> int:
-        """Requests held for batches refused before `key`'s (all of them for a key that holds nothing)."""
-        self.expire(now)
-        total = 0
-        for held_key, (num_requests, _) in self._held.items():
-            if held_key == key:
-                return total
-            total += num_requests
-        return total
-
-    def release(self, key: str | None) -> None:
-        if key is not None:
-            self._held.pop(key, None)
-
-    def num_held(self) -> int:
-        return sum(n for n, _ in self._held.values())
-
-    def expire(self, now: float) -> None:
-        for key in [k for k, (_, expires) in self._held.items() if expires <= now]:
-            del self._held[key]
 
 
 class FinishRate:

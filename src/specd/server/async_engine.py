@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import contextlib
 import logging
 import threading
 import time
@@ -23,7 +22,7 @@ from specd.engine.outputs import RequestDelta
 from specd.errors import QueueFullError, SpecdError
 from specd.llm import LLM, EngineState, Prompt
 from specd.sampling.params import SamplingParams
-from specd.server.admission import AdmissionLine, FinishRate, Reservations, retry_after_s
+from specd.server.admission import AdmissionLine, FinishRate, retry_after_s
 from specd.server.metrics import RequestMetrics
 
 logger = logging.getLogger("specd.server")
@@ -62,28 +61,17 @@ class _Route:
 
 @dataclass(frozen=True, slots=True)
 class _AddBatch:
-    """may_wait: join the admission line when there is no room (else fail at once with QueueFullError).
-    retry_key: what identifies the batch when its client retries it (None: no room is held for it if refused)."""
+    """may_wait: join the admission line when there is no room (else fail at once with QueueFullError)."""
 
     requests: list[EngineRequest]
     loop: asyncio.AbstractEventLoop
     queue_ref: weakref.ref[asyncio.Queue[RequestDelta]]
     future: concurrent.futures.Future[None]
     may_wait: bool = False
-    retry_key: str | None = None
 
     @property
     def num_requests(self) -> int:
         return len(self.requests)
-
-
-@dataclass(frozen=True, slots=True)
-class _Hold:
-    """Hold room for a batch refused after waiting its whole queue timeout in line (from the event loop)."""
-
-    retry_key: str
-    num_requests: int
-    retry_after_s: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,15 +111,12 @@ class AsyncEngine:
         self._llm = llm
         self._metrics = metrics
         self._cond = threading.Condition()
-        self._commands: list[_AddBatch | _Abort | _Hold] = []
+        self._commands: list[_AddBatch | _Abort] = []
         self._stopping = False
         self._routes: dict[str, _Route] = {}  # engine thread only
         self.capacity = llm.queue_capacity()  # most engine requests queued at once; None: unbounded
         # The line holds as many engine requests as the waiting queue itself (engine thread only).
         self._line: AdmissionLine[_AddBatch] = AdmissionLine(llm.config.max_waiting)
-        # Room held for refused batches until they retry (engine thread only); at most one queue's worth.
-        self._reserved = Reservations(self.capacity or 0)
-        self.num_reserved = 0  # published after each step
         self._finish_rate = FinishRate()  # engine thread only
         self.finish_rate: float | None = None  # published after each step
         self._thread = threading.Thread(target=self._run, name="specd-engine", daemon=True)
@@ -166,32 +151,27 @@ class AsyncEngine:
         if self.capacity is None:
             return 1
         state = self.state
-        queued = state.num_running + state.num_waiting + state.num_in_line + self.num_reserved
+        queued = state.num_running + state.num_waiting + state.num_in_line
         return retry_after_s(queued + num_requests - self.capacity, self.finish_rate)
 
-    async def add_requests(self, requests: Sequence[EngineRequest], wait_s: float = 0.0,
-                           retry_key: str | None = None) -> DeltaStream:
+    async def add_requests(self, requests: Sequence[EngineRequest], wait_s: float = 0.0) -> DeltaStream:
         """Add all of `requests` or none of them. With wait_s > 0, a batch that finds no room waits in line
         (first come, first served) up to wait_s seconds for it. Raises what LLM.add_request raises
         (InvalidParameterError, PromptTooLongError), QueueFullError (no room, line full or wait_s passed;
-        with a Retry-After estimate), or EngineStoppedError. A refused batch with a `retry_key` has its room
-        held until its Retry-After (and a grace) passes: the same key coming back goes before newcomers."""
+        with a Retry-After estimate), or EngineStoppedError."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
         future: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._submit(_AddBatch(list(requests), loop, weakref.ref(queue), future, may_wait=wait_s > 0,
-                               retry_key=retry_key))
+        self._submit(_AddBatch(list(requests), loop, weakref.ref(queue), future, may_wait=wait_s > 0))
         try:
             # On timeout the line entry is cancelled (dropped when it reaches the head).
             await asyncio.wait_for(asyncio.wrap_future(future), wait_s if wait_s > 0 else None)
         except asyncio.TimeoutError:
             for request in requests:  # admitted in the same instant: undo it
                 self.abort(request.request_id)
-            retry_s = self.retry_after_s(len(requests))
-            if retry_key is not None:
-                with contextlib.suppress(EngineStoppedError):
-                    self._submit(_Hold(retry_key, len(requests), retry_s))
-            raise QueueFullError(f"no room in the waiting queue within {wait_s:g}s", retry_s) from None
+            raise QueueFullError(
+                f"no room in the waiting queue within {wait_s:g}s", self.retry_after_s(len(requests))
+            ) from None
         except asyncio.CancelledError:
             # The handler went away while the add was in flight; if it landed, undo it.
             for request in requests:
@@ -206,7 +186,7 @@ class AsyncEngine:
         except EngineStoppedError:
             pass  # stopping aborts everything anyway
 
-    def _submit(self, command: _AddBatch | _Abort | _Hold) -> None:
+    def _submit(self, command: _AddBatch | _Abort) -> None:
         with self._cond:
             if self._stopping or not self._thread.is_alive():
                 raise EngineStoppedError("the engine is not running")
@@ -228,9 +208,6 @@ class AsyncEngine:
                 for command in commands:
                     if isinstance(command, _AddBatch):
                         self._on_add(command, stopping)
-                    elif isinstance(command, _Hold):
-                        self._reserved.hold(command.retry_key, command.num_requests, command.retry_after_s,
-                                            time.monotonic())
                     else:
                         self._llm.abort(command.request_id)
                 if stopping:
@@ -267,23 +244,16 @@ class AsyncEngine:
                 command.future.set_exception(EngineStoppedError("the server is shutting down"))
             return
         never_fits = self.capacity is not None and command.num_requests > self.capacity
-        now = time.monotonic()
-        ahead = self._reserved.before(command.retry_key, now)  # room held for batches refused before this one
-        if not self._line and self._fits(command.num_requests + ahead):
-            self._reserved.release(command.retry_key)
+        if not self._line and self._fits(command.num_requests):
             self._apply_add(command)
-        elif command.may_wait and not never_fits and self._line.can_join(command.num_requests, ahead):
-            self._reserved.release(command.retry_key)
+        elif command.may_wait and not never_fits and self._line.can_join(command.num_requests):
             self._line.join(command)
         elif command.future.set_running_or_notify_cancel():
             in_line = f", {self._line.num_requests} more in line for room" if self._line else ""
-            held = f", room held for {ahead} refused earlier" if ahead else ""
             self._publish_state()  # the estimate reads the published state
-            retry_s = self.retry_after_s(command.num_requests)
-            if command.retry_key is not None:
-                self._reserved.hold(command.retry_key, command.num_requests, retry_s, now)
             command.future.set_exception(QueueFullError(
-                f"waiting queue is full ({self._llm.config.max_waiting} requests{in_line}{held})", retry_s,
+                f"waiting queue is full ({self._llm.config.max_waiting} requests{in_line})",
+                self.retry_after_s(command.num_requests),
             ))
 
     def _apply_add(self, command: _AddBatch) -> None:
@@ -359,7 +329,6 @@ class AsyncEngine:
     def _publish_state(self) -> None:
         state = self._llm.engine_state()._replace(num_in_line=self._line.num_requests)
         self.state = state  # one reference assignment: readers on other threads see old or new, never half
-        self.num_reserved = self._reserved.num_held()
         self.finish_rate = self._finish_rate.per_second(time.monotonic())
         if self._metrics is not None:
             self._metrics.set_engine_state(state.num_running, state.num_waiting, state.kv_used_slots,

@@ -12,7 +12,6 @@ cover is refused before it is tokenized.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import logging
 import threading
@@ -136,12 +135,10 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ endpoints
     async def completions(self, body: bytes, http_request: Request) -> Response:
-        prepared = await asyncio.to_thread(self._prepare_completion, body)
-        return await self._generate(prepared, http_request, _retry_key(body, http_request))
+        return await self._generate(await asyncio.to_thread(self._prepare_completion, body), http_request)
 
     async def chat(self, body: bytes, http_request: Request) -> Response:
-        return await self._generate(await asyncio.to_thread(self._prepare_chat, body), http_request,
-                                    _retry_key(body, http_request))
+        return await self._generate(await asyncio.to_thread(self._prepare_chat, body), http_request)
 
     # ------------------------------------------------------------------ request -> engine requests (worker thread)
     def _prepare_completion(self, body: bytes) -> _Prepared:
@@ -309,9 +306,9 @@ class OpenAIServing:
         )
 
     # ------------------------------------------------------------------ engine requests -> HTTP
-    async def _generate(self, prepared: _Prepared, http_request: Request, retry_key: str) -> Response:
+    async def _generate(self, prepared: _Prepared, http_request: Request) -> Response:
         request, renderer, num_prompt_tokens = prepared.request, prepared.renderer, prepared.num_prompt_tokens
-        stream = await self._admit(prepared, http_request, retry_key)
+        stream = await self._admit(prepared, http_request)
         headers = {IGNORED_FIELDS_HEADER: ", ".join(prepared.ignored)} if prepared.ignored else {}
         if request.stream:
             include_usage = request.stream_options is not None and request.stream_options.include_usage
@@ -323,11 +320,10 @@ class OpenAIServing:
         # pydantic writes non-finite floats (a -inf logprob) as null; json.dumps would write invalid JSON.
         return Response(body.model_dump_json(), media_type="application/json", headers=headers)
 
-    async def _admit(self, prepared: _Prepared, http_request: Request, retry_key: str) -> DeltaStream:
+    async def _admit(self, prepared: _Prepared, http_request: Request) -> DeltaStream:
         """Add the engine requests (waiting in line for room up to queue_timeout_s); a client that hangs up
-        meanwhile leaves the line. If refused, room is held for the same request sent again (retry_key)."""
-        add = asyncio.ensure_future(self._engine.add_requests(prepared.engine_requests, self._queue_timeout_s,
-                                                              retry_key))
+        meanwhile leaves the line."""
+        add = asyncio.ensure_future(self._engine.add_requests(prepared.engine_requests, self._queue_timeout_s))
         gone = asyncio.ensure_future(_disconnected(http_request))
         try:
             await asyncio.wait({add, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -400,17 +396,6 @@ class OpenAIServing:
         finally:
             watcher.cancel()
             stream.abort()
-
-
-def _retry_key(body: bytes, http_request: Request) -> str:
-    """What a retry of this request has in common with it: the same credentials and the same body (the OpenAI
-    SDK and most clients resend the request as it was)."""
-    digest = hashlib.sha256(http_request.headers.get("authorization", "").encode())
-    digest.update(b"\0")
-    digest.update(http_request.url.path.encode())
-    digest.update(b"\0")
-    digest.update(body)
-    return digest.hexdigest()
 
 
 def _sampling_params(request: SamplingRequest, max_tokens: int, logprobs: int | None) -> SamplingParams:
