@@ -10,8 +10,8 @@ same GGUF-style blocks. Time per call, the two kernels alternating, the minimum 
 
 --clock wall (the default) times what a caller waits, on torch's threads (OMP_NUM_THREADS=1 for one core);
 --clock cpu sums the CPU time of every thread (time.process_time), which on a loaded machine moves less but does
-not show a split over threads. The baseline is compiled with the build's ISA flags only, as every revision before
-session 17 was (without -fopenmp its at::parallel_for runs serially); --baseline-openmp adds -fopenmp, to compare
+not show a split over threads. The baseline is compiled with the build's ISA flags only, as every revision before commit
+16d3033 was (without -fopenmp its at::parallel_for runs serially); --baseline-openmp adds -fopenmp, to compare
 the kernels' code alone.
 """
 

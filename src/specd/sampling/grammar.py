@@ -13,8 +13,8 @@ transformers and triton. Both roll back and both validate a draft in one call.
 
 Lossless use under speculation: masking p at every verified row is exactly what plain constrained decoding
 samples from. A deterministic draft token the grammar forbids has p = 0 and would be rejected anyway, so cutting
-the draft there changes nothing but the cost. A *sampled* draft must not be cut by its value (that would bias the
-output, as issue 18 showed for the confidence policy): model-based proposers mask their q instead, so they never
+the draft there changes nothing but the cost. A *sampled* draft must not be cut by its value (that biases the
+output: the confidence policy once did): model-based proposers mask their q instead, so they never
 sample a forbidden token.
 """
 

@@ -54,9 +54,9 @@ if TYPE_CHECKING:
     from specd.speculation.proposer import ProposerTraits
 
 MARGIN = 0.12  # drafting must promise this much more than plain decoding: estimates are noisy, a tax is not
-# (int4 serving grid, session 13: with 0.03 a draft row at 8 sequences, ~8 % of the step, was kept on a promised
-# 3-5 % and 8 clients ran at 0.96x of off; with 0.08 every point of the grid held 0.99-1.16x. Session 15, int4 with
-# dense prompt rows on AMX: at 4 clients a draft can save ~10 % at best, and with 0.08 four cells ran at 0.95-0.98x;
+# (int4 serving grid: with 0.03 a draft row at 8 sequences, ~8 % of the step, was kept on a promised 3-5 % and
+# 8 clients ran at 0.96x of off; with 0.08 every point of the grid held 0.99-1.16x. Int4 with dense prompt rows
+# on AMX: at 4 clients a draft can save ~10 % at best, and with 0.08 four cells ran at 0.95-0.98x;
 # with 0.12 the grid's cells were within its own A/A spread)
 PROBE_INTERVAL = 16  # the shortest probe interval (steps), where a row is nearly free
 MAX_PROBE_INTERVAL = 256
