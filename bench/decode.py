@@ -324,6 +324,19 @@ class Worker:
         self.proc.wait(timeout=60)
 
 
+def without_missing_llama_cpp(names: Sequence[str]) -> list[str]:
+    """`names` less "llama.cpp" when llama_cpp is not importable (saying so, with the install command)."""
+    names = list(names)
+    if "llama.cpp" in names:
+        try:
+            import llama_cpp  # noqa: F401
+        except ImportError:
+            print(f"llama.cpp rows skipped: llama_cpp is not installed. Install it with:\n  {LLAMA_CPP_INSTALL}",
+                  file=sys.stderr)
+            names.remove("llama.cpp")
+    return names
+
+
 def build_cases(kinds: Sequence[str], batch8_kind: str | None) -> list[tuple[str, int, list[list[int]]]]:
     """(kind, batch size, prompt token ids) for every measured case, chat-templated by specd's tokenizer."""
     from specd.model.tokenizer import Tokenizer
@@ -367,14 +380,7 @@ def main() -> None:
     if args.worker:
         serve_worker(args.worker, args.threads, args.thread_policy)
         return
-    engines = list(args.engines)
-    if "llama.cpp" in engines:
-        try:
-            import llama_cpp  # noqa: F401
-        except ImportError:
-            print(f"llama.cpp rows skipped: llama_cpp is not installed. Install it with:\n  {LLAMA_CPP_INSTALL}",
-                  file=sys.stderr)
-            engines.remove("llama.cpp")
+    engines = without_missing_llama_cpp(args.engines)
     cases = build_cases(args.kinds, args.batch8_kind or None)
     workers = [Worker(engine, args.threads, args.thread_policy) for engine in engines]
     timings: dict[tuple[str, int, str], list[RunTiming]] = {}

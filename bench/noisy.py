@@ -41,7 +41,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import default_gguf, markdown_table
-from decode import LLAMA_CPP_INSTALL, RunTiming, Worker, spread
+from decode import RunTiming, Worker, spread, without_missing_llama_cpp
 
 # (engine, threads, thread policy) of each setting
 SETTINGS: dict[str, tuple[str, int | None, str]] = {
@@ -197,14 +197,7 @@ def main() -> None:
             args.json.write_text(json.dumps([{"server": s, "condition": c, "runs": r} for (s, c), r in results.items()],
                                             indent=1))
         return
-    settings = list(args.settings)
-    if "llama.cpp" in settings:
-        try:
-            import llama_cpp  # noqa: F401
-        except ImportError:
-            print(f"llama.cpp skipped: llama_cpp is not installed. Install it with:\n  {LLAMA_CPP_INSTALL}",
-                  file=sys.stderr)
-            settings.remove("llama.cpp")
+    settings = without_missing_llama_cpp(args.settings)
     args.settings = settings
     runs = bench_engines(args)
     print(engine_table(runs, settings))
