@@ -75,9 +75,20 @@ def test_missing_ray_is_a_clear_error_naming_the_flag_and_the_install(monkeypatc
     assert "Traceback" not in err
 
 
+def test_replicas_split_the_local_cpus_by_default(monkeypatch):
+    monkeypatch.setattr("specd.cluster.options.available_cpus", lambda: 8)
+    assert cluster_settings_from_args(_args("--replicas", "2")).replica_cpus == 4.0
+    assert cluster_settings_from_args(_args("--replicas", "3")).replica_cpus == 2.0
+    assert cluster_settings_from_args(_args("--min-replicas", "1", "--max-replicas", "4")).replica_cpus == 2.0
+    assert cluster_settings_from_args(_args("--replicas", "16")).replica_cpus == 1.0  # at least one each
+    assert cluster_settings_from_args(_args("--replicas", "2", "--ray-address", "auto")).replica_cpus == 1.0
+    assert cluster_settings_from_args(_args("--replicas", "2", "--replica-cpus", "3")).replica_cpus == 3.0
+
+
 def test_more_replicas_than_local_cpus_fails_before_ray_starts(monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "ray", None)  # would fail later if Ray were reached
-    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    monkeypatch.setattr("specd.cluster.options.available_cpus", lambda: 2)
+    monkeypatch.setattr("specd.cluster.launch.available_cpus", lambda: 2)
     assert main(["serve", "--replicas", "3"]) == 2
     assert "--replica-cpus: 3 replicas x 1 CPUs need 3 CPUs and this machine has 2" in capsys.readouterr().err
 

@@ -14,6 +14,7 @@ from specd.cluster.options import ClusterSettings, cluster_settings_from_args, r
 from specd.cluster.replica_spec import ReplicaSpec, replica_spec_from_args
 from specd.cluster.stream_guard import PROXY_CALLBACK, PROXY_CALLBACK_ENV
 from specd.errors import InvalidParameterError, SpecdError
+from specd.threads import available_cpus
 
 APP_NAME = "specd"
 PROXY_READY_TIMEOUT_ENV = "RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S"
@@ -30,7 +31,7 @@ def serve_cluster_from_args(args: argparse.Namespace) -> int:
 
 def run_cluster(spec: ReplicaSpec, cluster: ClusterSettings, host: str, port: int) -> None:
     local = cluster.ray_address is None
-    cpus = os.cpu_count() or 1
+    cpus = available_cpus()  # the affinity mask's CPUs, capped by the cgroup quota
     if local and cluster.most_replicas * cluster.replica_cpus > cpus:
         raise InvalidParameterError(
             "--replica-cpus", f"{cluster.most_replicas} replicas x {cluster.replica_cpus:g} CPUs need "

@@ -12,6 +12,7 @@ from types import ModuleType
 from typing import NamedTuple
 
 from specd.errors import InvalidParameterError, SpecdError
+from specd.threads import available_cpus
 
 INSTALL_HINT = "pip install 'specd[cluster]'"  # the extra that brings ray[serve]
 
@@ -21,7 +22,8 @@ class ClusterSettings:
     """How Ray Serve runs the replicas. Errors name the `specd serve` flag at fault.
 
     num_replicas: the fixed count, or the starting count when autoscaling (min_replicas..max_replicas).
-    replica_cpus: CPUs Ray reserves per replica (torch then uses that many threads unless --threads says).
+    replica_cpus: CPUs Ray reserves per replica (torch then uses that many threads at most unless --threads says);
+    by default a local Ray splits the machine's CPUs between the replicas.
     max_ongoing_requests: HTTP requests one replica takes at once; the rest wait in Ray Serve's queue for the
     first replica with room. max_queued_requests: that queue's bound per proxy (-1: unbounded).
     ray_address: an existing cluster ("auto" or "ray://..."); None starts a local Ray on this machine.
@@ -82,7 +84,9 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
                    "the starting count")
     g.add_argument("--min-replicas", type=int, default=None, help="autoscaling lower bound (with --max-replicas)")
     g.add_argument("--max-replicas", type=int, default=None, help="autoscaling upper bound (with --min-replicas)")
-    g.add_argument("--replica-cpus", type=float, default=None, help="CPUs Ray reserves per replica (default 1)")
+    g.add_argument("--replica-cpus", type=float, default=None,
+                   help="CPUs Ray reserves per replica (default: a local Ray splits this machine's CPUs between the "
+                   "replicas, at least 1 each; a running cluster: 1)")
     g.add_argument("--max-ongoing-requests", type=int, default=None,
                    help="requests one replica takes at once; more wait at the proxy (default: --max-num-seqs)")
     g.add_argument("--ray-address", default=None,
@@ -99,12 +103,21 @@ def wants_cluster(args: argparse.Namespace) -> bool:
         getattr(args, name, None) is not None for name in _CLUSTER_ONLY_FLAGS)
 
 
+def default_replica_cpus(args: argparse.Namespace) -> float:
+    """--replica-cpus when not given: on a local Ray, this machine's CPUs (affinity and cgroup quota) split
+    evenly between the most replicas there will be, at least 1 each; on a running cluster, 1."""
+    if args.ray_address is not None:
+        return 1.0
+    most = args.max_replicas or args.replicas or args.min_replicas or 1
+    return float(max(1, available_cpus() // most))
+
+
 def cluster_settings_from_args(args: argparse.Namespace) -> ClusterSettings:
     return ClusterSettings(
         num_replicas=args.replicas if args.replicas is not None else (args.min_replicas or 1),
         min_replicas=args.min_replicas,
         max_replicas=args.max_replicas,
-        replica_cpus=1.0 if args.replica_cpus is None else args.replica_cpus,
+        replica_cpus=default_replica_cpus(args) if args.replica_cpus is None else args.replica_cpus,
         max_ongoing_requests=args.max_num_seqs if args.max_ongoing_requests is None else args.max_ongoing_requests,
         max_queued_requests=args.max_waiting if args.max_waiting > 0 else -1,
         graceful_shutdown_s=float(args.shutdown_timeout),
