@@ -33,7 +33,7 @@ from specd.errors import InvalidParameterError
 # JSON laid out as Python's json.dumps writes it (", " and ": ", no other whitespace): one layout means the keys,
 # quotes and separators between values are forced tokens, which can be drafted for free, and it is the layout
 # small models imitate best. (llguidance's default allows any whitespace anywhere, so nothing is ever forced.)
-_JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 def _llguidance() -> Any:
@@ -66,7 +66,7 @@ class GrammarCompiler:
         llguidance = _llguidance()
         source = {"type": "object"} if schema is True else schema
         try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(source), overrides=_JSON_LAYOUT)
+            grammar = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(source), overrides=JSON_LAYOUT)
         except (ValueError, TypeError, RuntimeError) as exc:
             raise InvalidParameterError(field, f"is not a usable JSON schema: {exc}") from exc
         return self._matcher(grammar, field)

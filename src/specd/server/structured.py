@@ -25,6 +25,7 @@ import re
 import uuid
 from typing import Any, NamedTuple
 
+from specd.sampling.grammar import JSON_LAYOUT
 from specd.sampling.params import StructuredOutput
 from specd.server.protocol import (
     ChatCompletionRequest,
@@ -36,8 +37,6 @@ from specd.server.protocol import (
 
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 TOOL_CALL_TAG = "<tool_call>"
-# The JSON layout of a call list inside the auto grammar, as json_schema constraints write it (sampling/grammar.py).
-_CALL_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _CUT_CALL = re.compile(r'\s*,?\s*\{\s*"name":\s*"((?:[^"\\]|\\.)*)"(\s*,\s*"arguments":\s*)?')
 
 
@@ -113,7 +112,8 @@ def _calls_schema(tools: list[Tool], single: bool) -> dict[str, Any]:
 
 def _auto_grammar(tools: list[Tool], single: bool) -> str:
     """Lark (llguidance's dialect): plain text not starting with "<", or the tag and a call list."""
-    schema = {**_calls_schema(tools, single), "x-guidance": _CALL_LAYOUT}
+    # The call list laid out as every json_schema constraint is (forced separators draft for free).
+    schema = {**_calls_schema(tools, single), "x-guidance": JSON_LAYOUT}
     return (f"start: TEXT | {json.dumps(TOOL_CALL_TAG)} calls\n"
             f"calls: %json {json.dumps(schema)}\n"
             "TEXT: /[^<][\\s\\S]*/\n")
