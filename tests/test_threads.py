@@ -155,19 +155,48 @@ def test_governor_follows_the_free_cores_with_hysteresis() -> None:
 
 def test_a_window_the_engine_sat_idle_in_is_dropped() -> None:
     # Idle for 10 s while others were busy for most of it (a neighbour that has since stopped): that window
-    # measured the past, so the count stays and a new window starts from now.
+    # measured the past, so the count stays and a new window starts when stepping resumes.
     fake = _Fake()
     gov = fake.governor()
     gov.adjust()
+    fake.advance(0.05, 2.0)
+    gov.finished()
     fake.others = 1.5
     fake.advance(9.0, 0.0)
     fake.others = 0.0
     fake.advance(1.0, 0.0)
     assert gov.adjust() == 2 and gov.state.free_cpus is None
     fake.advance(0.5, 2.0)
+    gov.finished()
     assert gov.adjust() == 2 and gov.state.free_cpus == pytest.approx(2.0)
     fake.others = 1.0  # a long busy step is not idle: its window counts
     fake.advance(3.0, 1.0)
+    gov.finished()
+    assert gov.adjust() == 1
+
+
+def test_a_neighbour_that_ran_only_while_the_engine_waited_is_not_counted() -> None:
+    # Two engines taking turns (a benchmark's interleaved rounds, two replicas served in turn): the other one
+    # runs both cores for 0.7 s between our requests and stops as ours starts. A window spanning that gap would
+    # count 2 cores busy and drop to one thread for the whole next request (a 1,000-token prompt: 1.5x slower).
+    fake = _Fake()
+    gov = fake.governor()
+    gov.adjust()
+    for _ in range(3):
+        fake.advance(0.3, 2.0)
+        gov.finished()
+        fake.others = 2.0
+        fake.advance(0.7, 0.0)  # we wait, the other engine runs
+        fake.others = 0.0
+        assert gov.adjust() == 2  # resumed: the window starts here
+    fake.advance(0.6, 2.0)
+    gov.finished()
+    assert gov.adjust() == 2 and gov.state.free_cpus == pytest.approx(2.0)
+    fake.others = 1.0  # while we step, it counts
+    fake.advance(0.01, 1.0)
+    gov.finished()
+    fake.advance(0.6, 1.0)
+    gov.finished()
     assert gov.adjust() == 1
 
 

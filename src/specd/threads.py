@@ -13,8 +13,9 @@ busy core does not touch. So the thread count follows what is free:
 - every `interval_s` (0.5 s) of stepping, the engine thread reads /proc/stat and its own CPU time and counts
   how many cores of its affinity mask other processes (and the hypervisor, as steal time) kept busy; the
   threads are the cores left, at least one, with a quarter core of hysteresis so a count near a boundary does
-  not flap. A window over two intervals long in which the process was mostly idle is dropped (it measured
-  the past, not the moment the engine resumed) and a new one starts.
+  not flap. Windows hold only the engine's stepping: when it resumes after sitting idle (over RESUME_GAP_S
+  since its last forward ended), a new window starts there, since what other processes did while it waited (a
+  neighbour that ran in between, then stopped) is not what its threads will meet now.
 
 The count is set on the engine thread itself (torch.set_num_threads writes the calling thread's OpenMP
 setting), before its first forward and whenever it changes. A fixed policy (`--thread-policy fixed`) sets the
@@ -37,7 +38,7 @@ from specd.config import ThreadPolicy
 
 THREAD_POLICIES = get_args(ThreadPolicy)
 INTERVAL_S = 0.5
-IDLE_WINDOW_FACTOR = 2  # a window this many intervals long in which the engine mostly sat idle is not used
+RESUME_GAP_S = 0.1  # a pause between forwards this long is idleness: the window restarts when stepping resumes
 _BUSY_FIELDS = (0, 1, 2, 5, 6, 7)  # user nice system irq softirq steal (guest time is inside user already)
 
 
@@ -170,7 +171,8 @@ class ThreadState:
 
 class ThreadGovernor:
     """Sets the calling (engine) thread's torch thread count: `max_threads` under the fixed policy, the free
-    cores (1..max_threads) under the adaptive one. `adjust()` is cheap between measurements (one clock read)."""
+    cores (1..max_threads) under the adaptive one. The engine calls `adjust()` before each forward and
+    `finished()` after it; both are cheap between measurements (one clock read)."""
 
     def __init__(self, max_threads: int, policy: ThreadPolicy = "adaptive", interval_s: float = INTERVAL_S,
                  sampler: Callable[[], CpuSample | None] = read_cpu_sample,
@@ -188,6 +190,7 @@ class ThreadGovernor:
         self._threads = 0  # 0: not applied yet on the engine thread
         self._last: CpuSample | None = None
         self._free: float | None = None
+        self._ended: float | None = None  # when the last forward ended
 
     @property
     def state(self) -> ThreadState:
@@ -201,15 +204,18 @@ class ThreadGovernor:
             if self.adaptive:
                 self._last = self._sampler()
             return self._threads
-        if not self.adaptive or self._last is None or now - self._last.wall_s < self.interval_s:
+        if not self.adaptive or self._last is None:
+            return self._threads
+        if self._ended is not None and now - self._ended > RESUME_GAP_S:
+            self._ended = None
+            self._last = self._sampler() or self._last  # resumed after idling: the window starts now
+            return self._threads
+        if now - self._last.wall_s < self.interval_s:
             return self._threads
         sample, last = self._sampler(), self._last
         if sample is None:
             return self._threads
         self._last = sample
-        wall = sample.wall_s - last.wall_s
-        if wall > IDLE_WINDOW_FACTOR * self.interval_s and sample.own_s - last.own_s < 0.5 * wall:
-            return self._threads  # the engine sat idle most of a long window: it measured the past; start anew
         self._free = free_cpus(last, sample, self._num_cpus)
         # Hysteresis: one more thread needs 0.75 of a core free beyond the current ones, keeping one needs 0.5,
         # so a count measured near a boundary does not flap.
@@ -222,6 +228,11 @@ class ThreadGovernor:
         if target != self._threads:
             self._set(target)
         return self._threads
+
+    def finished(self) -> None:
+        """Call on the engine thread after a forward."""
+        if self.adaptive:
+            self._ended = self._clock()
 
     def _set(self, threads: int) -> None:
         self._apply(threads)

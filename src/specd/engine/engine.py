@@ -256,6 +256,8 @@ class LLMEngine:
         except Exception as exc:
             logger.exception("step failed; aborting the %d requests in it", len(scheduled))
             error = exc
+        finally:
+            self.threads.finished()
         for done in progress.committed:
             if done.seq.finish_reason is not None:
                 self._finish(done.seq, done.seq.finish_reason)
