@@ -64,16 +64,31 @@ def test_ngram_heuristic_is_lossless_on_the_default_model(llm):
 
 
 def test_the_default_mode_is_int4_with_an_int8_head_and_answers_like_float32(llm):
+    """int4's next-token distributions, teacher-forced along float32's own greedy answers: close to float32's
+    (mean KL per answer <= 0.01 nats, measured 0.002-0.004) with the same top-1 token almost everywhere. Not its
+    greedy text: where float32 itself is near a tie (its first token here: 'The' 0.152 against 'L' 0.140), any
+    rounding may take the other branch."""
+    from specd.engine.scoring import prompt_logits
+
     fast = LLM("default", max_num_seqs=4, max_model_len=512)
     assert fast.config.dtype == "int4"
     proj, head = fast.model.layers[0].qkv_proj, fast.model.tied_head
     assert proj.q4 is not None or proj.int4 is not None  # specd's native kernels, or torch's where they fail
     assert head is not None and (head.q8 is not None or head.int8 is not None)
-    params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
-    fast_out = fast.chat(MESSAGES[:1], params)[0].outputs[0].text
-    assert "Paris" in fast_out
-    # Not token-identical to float32 (different weights' rounding), but the same answer to a plain question.
-    assert fast_out.split(".")[0] == llm.chat(MESSAGES[:1], params)[0].outputs[0].text.split(".")[0]
+    answers = llm.chat(MESSAGES, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0))
+    assert "Paris" in answers[0].outputs[0].text
+    agreement = []
+    for out in answers:
+        prompt, answer = list(out.prompt_token_ids), list(out.outputs[0].token_ids)
+        positions = slice(len(prompt) - 1, len(prompt) + len(answer) - 1)  # the logits that chose each answer token
+        exact = prompt_logits(llm.model, prompt + answer).float().log_softmax(-1)[positions]
+        quick = prompt_logits(fast.model, prompt + answer).float().log_softmax(-1)[positions]
+        assert (exact.exp() * (exact - quick)).sum(-1).mean().item() <= 0.01
+        agreement.append((exact.argmax(-1) == quick.argmax(-1)).float().mean().item())
+        if "Paris" in out.outputs[0].text:  # the fact itself: int4 names it where float32 does
+            at = next(i for i in range(len(answer)) if "Paris" in fast.tokenizer.decode(answer[:i + 1]))
+            assert quick[at].argmax().item() == answer[at]
+    assert min(agreement) >= 0.8 and sum(agreement) / len(agreement) >= 0.9, agreement
 
 
 def test_native_int4_logits_stay_close_to_torchs_int4_path(llm, monkeypatch):

@@ -20,7 +20,7 @@ from specd.errors import ModelLoadError
 from specd.kernels.blockquant import Q4Weight, Q8Weight
 from specd.llm import LLM
 from specd.model import memory
-from specd.model.gguf_blocks import block_weight
+from specd.model.gguf_blocks import block_weight, decode_rows
 from specd.sampling.params import SamplingParams
 from specd.synthetic import LlamaShape, random_blocks, write_gguf
 
@@ -29,7 +29,7 @@ T = gguf.GGMLQuantizationType
 TINY = LlamaShape(hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=512, tied=False)
 KERNEL_LAYOUTS = {  # type -> (kernel weight, scale dtype)
     T.Q4_0: (Q4Weight, torch.float16), T.Q4_1: (Q4Weight, torch.float16), T.Q8_0: (Q8Weight, torch.float16),
-    T.Q4_K: (Q4Weight, torch.uint8), T.Q6_K: (Q8Weight, torch.float32),  # Q4_K: its own compact scales
+    T.Q4_K: (Q4Weight, torch.uint8), T.Q6_K: (Q8Weight, torch.uint8),  # K-quants: their own compact scales
 }
 
 
@@ -62,11 +62,45 @@ def test_each_block_type_decodes_to_ggufs_own_dequantization_exactly(ggml_type):
 def test_a_large_tensor_is_decoded_in_chunks_into_the_same_weight(monkeypatch):
     import specd.model.gguf_blocks as blocks_module
 
-    raw = torch.from_numpy(_blocks(T.Q6_K, (40, 512)).copy()).flatten()
-    whole = block_weight(raw, T.Q6_K, (40, 512))
+    rows = torch.from_numpy(_blocks(T.Q6_K, (40, 512)).copy())
+    whole = decode_rows(rows, T.Q6_K, 512)
     monkeypatch.setattr(blocks_module, "_CHUNK_VALUES", 512 * 7)  # 7 rows at a time, the last chunk 5
-    chunked = block_weight(raw, T.Q6_K, (40, 512))
+    chunked = decode_rows(rows, T.Q6_K, 512)
     assert all(torch.equal(a, b) for a, b in zip(whole, chunked))
+
+
+@pytest.mark.parametrize("ggml_type", list(KERNEL_LAYOUTS), ids=lambda t: t.name)
+@pytest.mark.parametrize("isa", ["native", "scalar"])
+def test_the_native_repack_writes_the_torch_decoders_bytes(native, ggml_type, isa):
+    """gguf_repack.cpp against the torch decoders, field for field: every type, rows whose last group has two or
+    one block (32-block types at 352 inputs), and a row order (the q/k projections' rotary permutation)."""
+    module = native if isa == "native" else specd.kernels.build("scalar")
+    widths = (512, 768) if ggml_type in (T.Q4_K, T.Q6_K) else (352, 96, 512)
+    for in_features in widths:
+        raw = torch.from_numpy(_blocks(ggml_type, (37, in_features), seed=in_features).copy())
+        expected = decode_rows(raw, ggml_type, in_features)
+        got = module.repack_gguf(raw, int(ggml_type), in_features, torch.empty(0, dtype=torch.long))
+        assert len(got) == len(expected)
+        for field, want in zip(got, expected):
+            assert field.dtype == want.dtype and torch.equal(field, want), (ggml_type.name, in_features)
+        order = torch.randperm(37, generator=torch.Generator().manual_seed(1))
+        permuted = module.repack_gguf(raw, int(ggml_type), in_features, order)
+        assert all(torch.equal(field, want[order]) for field, want in zip(permuted, expected))
+    kind = Q8Weight if ggml_type in (T.Q8_0, T.Q6_K) else Q4Weight
+    assert isinstance(block_weight(raw.flatten(), ggml_type, (37, in_features)), kind)
+
+
+def test_the_native_repack_names_what_is_wrong(native):
+    raw = torch.from_numpy(_blocks(T.Q4_K, (4, 256)).copy())
+    none = torch.empty(0, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="no kernel layout"):
+        native.repack_gguf(raw, int(T.Q5_K), 256, none)
+    with pytest.raises(RuntimeError, match="not a multiple of the type's 256 inputs"):
+        native.repack_gguf(raw, int(T.Q4_K), 224, none)
+    with pytest.raises(RuntimeError, match="bytes, got"):
+        native.repack_gguf(raw, int(T.Q6_K), 256, none)
+    with pytest.raises(RuntimeError, match="outside the tensor's 4 rows"):
+        native.repack_gguf(raw, int(T.Q4_K), 256, torch.tensor([0, 4]))
 
 
 def test_types_without_a_kernel_give_no_block_weight():

@@ -17,6 +17,7 @@ from specd.kernels.blockquant import (
     quantize_q8,
     quantize_q8_halves,
     reference_linear,
+    unpack_six_bit,
 )
 
 VNNI_BUILDS = ("avx512", "avxvnni", "avx512vnni")
@@ -380,3 +381,76 @@ def test_q4_k_compact_scales_need_whole_super_blocks(native):
     compact = _q4_k_weight(out_features=8, in_features=256)
     with pytest.raises(RuntimeError, match="whole super-blocks of 256"):
         native.q4_linear(torch.randn(1, 224), compact.codes[:, :112].contiguous(), compact.scales, compact.mins, True)
+
+
+def _q6_k_weight(out_features: int, in_features: int, seed: int = 0) -> Q8Weight:
+    """A GGUF Q6_K tensor (random blocks with sane scales) in its six-bit form with Q6_K's own scales."""
+    import gguf
+    import numpy as np
+
+    from specd.model.gguf_blocks import block_weight
+    from specd.synthetic import random_blocks
+
+    raw = random_blocks(np.random.default_rng(seed), gguf.GGMLQuantizationType.Q6_K, (out_features, in_features))
+    weight = block_weight(torch.from_numpy(raw).flatten(), gguf.GGMLQuantizationType.Q6_K, (out_features, in_features))
+    assert isinstance(weight, Q8Weight) and weight.six_bit and weight.scales.dtype == torch.uint8
+    return weight
+
+
+def test_six_bit_codes_pack_and_unpack_every_value_at_every_position():
+    grouped = (torch.arange(8 * 256) % 64 - 32).to(torch.int8).view(8, 256)  # each position sees many codes
+    grouped = grouped[:, torch.randperm(256, generator=torch.Generator().manual_seed(0))]
+    from specd.kernels.blockquant import pack_six_bit
+
+    packed = pack_six_bit(grouped)
+    assert packed.shape == (8, 256 // 32 * 24) and packed.dtype == torch.uint8
+    assert torch.equal(unpack_six_bit(packed), grouped)
+
+
+@pytest.mark.parametrize("isa", ["native", "avx2", "scalar"])
+def test_q6_k_six_bit_codes_give_the_bits_of_int8_codes_and_float32_lanes(native, isa):
+    """Six-bit codes with Q6_K's compact scales (SixBitCodes, Q6Lanes) compute every output bit the same as the
+    same values as int8 codes with their float32 products per 16 inputs (F32Lanes), in every tile shape and
+    build, and read 6.625 bits a weight against 10."""
+    module = native if isa == "native" else specd.kernels.build(isa)
+    if module is None:
+        pytest.skip(f"the {isa} build is not available here")
+    for in_features in (256, 512, 768):
+        six = _q6_k_weight(out_features=203, in_features=in_features, seed=in_features)
+        wide = Q8Weight(six.grouped_codes(), six.lane_scales().contiguous())
+        assert not wide.six_bit and wide.per_half and torch.equal(wide.dequantize(), six.dequantize())
+        x = torch.randn(16, in_features).to(torch.bfloat16)
+        for rows in (1, 2, 3, 4, 5, 8, 9, 16):
+            assert torch.equal(six.linear(module, x[:rows], float_out=True),
+                               wide.linear(module, x[:rows], float_out=True)), (in_features, rows)
+            assert torch.equal(six.linear(module, x[:rows]), wide.linear(module, x[:rows])), (in_features, rows)
+        expected = reference_linear(six, x.float())
+        got = six.linear(module, x, float_out=True).double()
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-4 * expected.abs().max().item())
+    assert six.nbytes * 10 == wide.nbytes * 6.625
+
+
+def test_q6_k_six_bit_codes_split_over_threads_with_the_same_bits(native):
+    six = _q6_k_weight(out_features=203, in_features=512, seed=3)
+    x = torch.randn(9, 512, generator=torch.Generator().manual_seed(5))
+    before = torch.get_num_threads()
+    try:
+        outputs = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outputs.append(six.linear(native, x, float_out=True))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(outputs[0], out) for out in outputs[1:])
+
+
+def test_q6_k_six_bit_codes_name_what_is_wrong(native):
+    six = _q6_k_weight(out_features=8, in_features=256)
+    with pytest.raises(RuntimeError, match="whole super-blocks of 256"):
+        native.q8_linear(torch.randn(1, 224), six.codes[:, :168].contiguous(), six.scales, True)
+    with pytest.raises(RuntimeError, match="six-bit codes take Q6_K scales"):
+        native.q8_linear(torch.randn(1, 256), six.codes, six.lane_scales().contiguous(), True)
+    with pytest.raises(RuntimeError, match="24 bytes per 32 inputs"):
+        native.q8_linear(torch.randn(1, 256), six.codes[:, :100].contiguous(), six.scales, True)
+    with pytest.raises(RuntimeError, match="x has 128 inputs, the weight 256"):
+        six.linear(native, torch.randn(1, 128))

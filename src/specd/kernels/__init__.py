@@ -24,6 +24,7 @@ alone, see model/attention.py.)
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import warnings
 from collections.abc import Callable, Sequence
@@ -31,7 +32,10 @@ from pathlib import Path
 from types import ModuleType
 
 ENV_VAR = "SPECD_NATIVE_KERNELS"
-_SOURCE = Path(__file__).with_name("quant_gemm.cpp")
+_HERE = Path(__file__).parent
+# The GEMMs and the GGUF repacking into their layout, one extension; the headers they share.
+_SOURCES = (_HERE / "quant_gemm.cpp", _HERE / "gguf_repack.cpp")
+_HEADERS = (_HERE / "group_order.h", _HERE / "gguf_repack.h")
 _AVX2_FLAGS = ("avx2", "fma", "f16c")
 _AVX512_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni")  # the "avx512" build's, with AVX2's
 # The builds, best first where the CPU has them, and their compiler flags.
@@ -85,7 +89,8 @@ def build(isa: str) -> ModuleType:
     if isa not in ISA_FLAGS:
         raise ValueError(f"isa: {isa!r} is not one of {', '.join(ISA_FLAGS)}")
     # -fopenmp: ATen's parallel_for (a header template) splits the columns over threads only when compiled with it
-    return load_extension(f"specd_quant_gemm_{isa}", _SOURCE, ["-O3", "-fopenmp", *ISA_FLAGS[isa]], ["-fopenmp"])
+    return load_extension(f"specd_quant_gemm_{isa}", _SOURCES, ["-O3", "-fopenmp", *ISA_FLAGS[isa]], ["-fopenmp"],
+                          headers=_HEADERS)
 
 
 def build_directory(name: str) -> Path:
@@ -95,8 +100,12 @@ def build_directory(name: str) -> Path:
     return Path(cpp_extension._get_build_directory(name, verbose=False))
 
 
-def load_extension(name: str, source: Path, cflags: list[str], ldflags: Sequence[str] = ()) -> ModuleType:
+def load_extension(name: str, sources: Path | Sequence[Path], cflags: list[str], ldflags: Sequence[str] = (),
+                   headers: Sequence[Path] = ()) -> ModuleType:
     """cpp_extension.load under a lock the kernel releases when its holder dies.
+
+    torch rebuilds a cached extension when its sources or flags change, not its headers: a digest of `headers` goes
+    into the flags (a -D define), so a change to a header rebuilds too.
 
     torch's own build lock is a `lock` file in the build directory, removed by the process that made it: a build
     killed mid-way (a stopped test run, an OOM kill) leaves it behind, and every later process waits on it forever,
@@ -108,12 +117,16 @@ def load_extension(name: str, source: Path, cflags: list[str], ldflags: Sequence
 
     from torch.utils import cpp_extension
 
+    source_list = [sources] if isinstance(sources, Path) else list(sources)
+    if headers:
+        digest = hashlib.sha256(b"".join(header.read_bytes() for header in headers)).hexdigest()[:16]
+        cflags = [*cflags, f"-DSPECD_HEADERS_DIGEST={digest}"]
     directory = build_directory(name)
     directory.mkdir(parents=True, exist_ok=True)
     with open(directory / "specd-build.flock", "w") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)  # waits while another process builds; never for a dead one
         (directory / "lock").unlink(missing_ok=True)
-        return cpp_extension.load(name=name, sources=[str(source)], extra_cflags=cflags,
+        return cpp_extension.load(name=name, sources=[str(source) for source in source_list], extra_cflags=cflags,
                                   extra_ldflags=list(ldflags), verbose=False)
 
 

@@ -1,9 +1,11 @@
 """Block-quantised weights for the native kernels (blocks of 32 inputs).
 
-q4: w = scale * q + min with q in 0..15; q8: w = scale * q with q in -127..127. Scales come in four layouts
+q4: w = scale * q + min with q in 0..15; q8: w = scale * q with q in -127..127. Scales come in five layouts
 (quant_gemm.cpp): float16 per block (GGUF Q4_0, Q4_1, Q8_0 store exactly these), float32 per block, GGUF Q4_K's own
 compact form (per 256 inputs: 8 six-bit scales and mins as bytes, then d and dmin; `scales` uint8, `mins` empty),
-and, for q8, float32 per 16 inputs in the kernel's lane order (GGUF Q6_K's sub-blocks).
+and, for q8, float32 per 16 inputs in the kernel's lane order, or GGUF Q6_K's own form (per 256 inputs: 16 int8
+sub-block scales in lane order, then d as float32; `scales` uint8). q8 codes are one int8 per input, or, with
+Q6_K's scales, Q6_K's six bits (`codes` uint8, 24 bytes per 32 inputs: `pack_six_bit`).
 model/gguf_blocks.py builds them from a file's blocks without a float round trip.
 `Q4Weight.linear` / `Q8Weight.linear` run the native kernel, which also quantises each
 activation row per block of 32 to int8; `reference_linear` is the same arithmetic in float64 for tests.
@@ -24,6 +26,8 @@ import torch
 BLOCK = 32
 GROUP_BLOCKS = 4  # blocks per group of the kernel's input order
 K_SUPER_BLOCKS, K_SUPER_BYTES = 8, 24  # the compact K-quant scales: 8 blocks of 32 share 24 bytes
+Q6_SUPER_BYTES = 20  # Q6_K's scales: 16 int8 sub-block scales and d (float32) per 256 inputs
+SIX_BIT_VECTOR_BYTES = 24  # six-bit codes: 32 inputs in 24 bytes
 
 
 def pack_k_scales(d: torch.Tensor, sc: torch.Tensor, dmin: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
@@ -43,6 +47,48 @@ def unpack_k_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: 
     scales = (d * supers[..., :8].float()).reshape(out_features, -1)
     mins = (-dmin * supers[..., 8:16].float()).reshape(out_features, -1)
     return scales, mins
+
+
+def pack_six_bit(grouped: torch.Tensor) -> torch.Tensor:  # [out, in] int8 -32..31, group order -> [out, in // 32 * 24]
+    """Six-bit codes (SixBitCodes): per 32 codes of the group order, 16 bytes holding codes j (low nibble) and
+    16 + j (high nibble) of q + 32, then 8 bytes holding the top two bits, code b + 8e in bits 2e, 2e + 1 of
+    byte b."""
+    out_features = grouped.shape[0]
+    u = (grouped.to(torch.int16) + 32).to(torch.uint8).view(out_features, -1, BLOCK)  # [out, vectors, 32] 0..63
+    nibbles = (u[..., :16] & 0x0F) | ((u[..., 16:] & 0x0F) << 4)
+    top = (u >> 4).view(out_features, -1, 4, 8)  # [out, vectors, e, b]: code b + 8e
+    highs = top[..., 0, :] | (top[..., 1, :] << 2) | (top[..., 2, :] << 4) | (top[..., 3, :] << 6)
+    return torch.cat([nibbles, highs], dim=-1).reshape(out_features, -1)
+
+
+def unpack_six_bit(packed: torch.Tensor) -> torch.Tensor:  # [out, in // 32 * 24] uint8 -> [out, in] int8, group order
+    out_features = packed.shape[0]
+    v = packed.view(out_features, -1, SIX_BIT_VECTOR_BYTES)
+    low = torch.cat([v[..., :16] & 0x0F, v[..., :16] >> 4], dim=-1)  # [out, vectors, 32]
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
+    top = ((v[..., 16:].unsqueeze(2) >> shifts) & 3).reshape(out_features, -1, BLOCK)  # code 8e + b at [.., 8e + b]
+    return ((low | (top << 4)).to(torch.int16) - 32).to(torch.int8).reshape(out_features, -1)
+
+
+# Q6_K's 16 sub-block scales of a super-block (sub-block j = half j % 2 of block j // 2) in lane order: lane
+# gi * 8 + h * 4 + i holds half h of block gi * 4 + i (F32Lanes' order for the super-block's two groups).
+_Q6_LANES = torch.tensor([(gi * 4 + i) * 2 + h for gi in range(2) for h in range(2) for i in range(4)])
+
+
+def pack_q6_scales(d: torch.Tensor, sc: torch.Tensor) -> torch.Tensor:
+    """d: [out, supers] float32; sc: [out, supers, 16] int8 per sub-block of 16 -> [out, supers * 20] uint8."""
+    out_features, supers = d.shape
+    lanes = sc.to(torch.int8)[..., _Q6_LANES].contiguous().view(torch.uint8)
+    d_bytes = d.float().contiguous().view(torch.uint8).view(out_features, supers, 4)
+    return torch.cat([lanes, d_bytes], dim=-1).reshape(out_features, supers * Q6_SUPER_BYTES)
+
+
+def unpack_q6_scales(packed: torch.Tensor) -> torch.Tensor:  # [out, supers * 20] uint8 -> [out, groups * 8] f32
+    """The per-16 scales d * sc of Q6Lanes in F32Lanes' order, as float32 (the kernel's own products)."""
+    out_features = packed.shape[0]
+    supers = packed.view(out_features, -1, Q6_SUPER_BYTES)
+    d = supers[..., 16:20].contiguous().view(torch.float32)  # [out, supers, 1]
+    return (d * supers[..., :16].contiguous().view(torch.int8).float()).reshape(out_features, -1)
 
 
 def _group_of(block: int, blocks: int) -> tuple[int, int]:
@@ -188,8 +234,9 @@ class Q4Weight(NamedTuple):
 
 
 class Q8Weight(NamedTuple):
-    codes: torch.Tensor  # [out, in] int8 in group order
-    scales: torch.Tensor  # [out, in // 32] float16, or [out, groups * 8] float32 per 16 inputs in lane order
+    codes: torch.Tensor  # [out, in] int8 in group order, or [out, in // 32 * 24] uint8 six-bit codes (Q6_K's)
+    scales: torch.Tensor  # [out, in // 32] float16, [out, groups * 8] float32 per 16 inputs in lane order, or
+    # [out, in // 256 * 20] uint8 (Q6_K's own, with six-bit codes)
 
     @classmethod
     def from_block_order(cls, codes: torch.Tensor, scales: torch.Tensor) -> Q8Weight:
@@ -198,16 +245,37 @@ class Q8Weight(NamedTuple):
         grouped = _to_group_order(codes, q8=True)
         return cls(grouped, halves_to_lanes(scales) if scales.dim() == 3 else scales.contiguous())
 
+    @classmethod
+    def six_bit_from_block_order(cls, codes: torch.Tensor, d: torch.Tensor, sc: torch.Tensor) -> Q8Weight:
+        """GGUF Q6_K's values: codes [out, in] int8 -32..31 in block order, d [out, in // 256] float32, sc
+        [out, in // 256, 16] int8 (a scale per 16 inputs) -> six-bit codes with Q6_K's own scales."""
+        return cls(pack_six_bit(_to_group_order(codes, q8=True)), pack_q6_scales(d, sc))
+
+    @property
+    def six_bit(self) -> bool:
+        """Whether the codes are Q6_K's six bits (with its compact scales)."""
+        return self.codes.dtype == torch.uint8
+
+    @property
+    def in_features(self) -> int:
+        return self.codes.shape[1] // SIX_BIT_VECTOR_BYTES * BLOCK if self.six_bit else self.codes.shape[1]
+
     @property
     def per_half(self) -> bool:
-        """Whether each 16 inputs of a block have their own (float32) scale."""
-        return self.scales.dtype == torch.float32
+        """Whether each 16 inputs of a block have their own scale."""
+        return self.scales.dtype in (torch.float32, torch.uint8)
+
+    def lane_scales(self) -> torch.Tensor:  # [out, groups * 8] float32 (per-16 layouts only)
+        return unpack_q6_scales(self.scales) if self.six_bit else self.scales
 
     def half_scales(self) -> torch.Tensor:  # [out, in // 32, 2] float32: the scale of each 16 inputs
-        blocks = self.codes.shape[1] // BLOCK
+        blocks = self.in_features // BLOCK
         if self.per_half:
-            return lanes_to_halves(self.scales, blocks)
+            return lanes_to_halves(self.lane_scales(), blocks)
         return self.scales.float().unsqueeze(-1).expand(-1, -1, 2)
+
+    def grouped_codes(self) -> torch.Tensor:  # [out, in] int8 in group order (six-bit codes unpacked)
+        return unpack_six_bit(self.codes) if self.six_bit else self.codes
 
     def rows(self, index: torch.Tensor | slice) -> Q8Weight:  # index: [n] int64 or a slice -> those output rows
         return Q8Weight(self.codes[index], self.scales[index])
@@ -217,10 +285,10 @@ class Q8Weight(NamedTuple):
         return sum(t.numel() * t.element_size() for t in self)
 
     def block_codes(self) -> torch.Tensor:  # [out, in] int8 in block order (GGUF Q8_0's)
-        return _to_block_order(self.codes, q8=True)
+        return _to_block_order(self.grouped_codes(), q8=True)
 
     def dequantize(self) -> torch.Tensor:  # [out, in] float32
-        out_features, in_features = self.codes.shape
+        out_features, in_features = self.codes.shape[0], self.in_features
         halves = self.block_codes().view(out_features, -1, 2, BLOCK // 2).float()  # [out, blocks, 2, 16]
         return (halves * self.half_scales().unsqueeze(-1)).view(out_features, in_features)
 
@@ -281,14 +349,6 @@ def quantize_activations(x: torch.Tensor) -> torch.Tensor:  # [rows, in] -> [row
 
 
 def reference_linear(weight: Q4Weight | Q8Weight, x: torch.Tensor) -> torch.Tensor:  # [rows, in] -> [rows, out] f64
-    """The kernel's maths in float64: int8 activations times the dequantized weight, except that q4's min term
-    reads the unquantised activations' block sums (as the kernel does)."""
-    x_q = quantize_activations(x)
-    if isinstance(weight, Q8Weight):
-        return x_q @ weight.dequantize().double().t()
-    out_features = weight.codes.shape[0]
-    mins = weight.block_scales()[1].double()
-    scaled_codes = (weight.dequantize().double().view(out_features, -1, BLOCK)
-                    - mins.unsqueeze(-1)).view(out_features, -1)
-    block_sums = x.double().view(x.shape[0], -1, BLOCK).sum(-1)  # [rows, blocks]
-    return x_q @ scaled_codes.t() + block_sums @ mins.t()
+    """The kernel's maths in float64: int8 activations times the dequantized weight (q4's min term included: it
+    reads the quantised activations' block sums, as the kernel does)."""
+    return quantize_activations(x) @ weight.dequantize().double().t()

@@ -2,11 +2,12 @@
 //
 // Weights are stored in blocks of 32 inputs along k with block scales:
 //   q4: w = scale * q + min, q in 0..15, two codes per byte
-//   q8: w = scale * q,       q in -127..127
-// The scales (and q4's mins) come in one of three layouts (see F16Blocks, F32Blocks, F32Lanes below), so GGUF's
-// Q4_0, Q4_1, Q4_K, Q8_0 and Q6_K blocks all run with the values their file stores, exactly.
+//   q8: w = scale * q,       q in -127..127, one byte per input or (GGUF Q6_K) six bits (see SixBitCodes)
+// The scales (and q4's mins) come in the layouts below (F16Blocks, F32Blocks, KBlocks, F32Lanes, Q6Lanes), so
+// GGUF's Q4_0, Q4_1, Q4_K, Q8_0 and Q6_K blocks all run with the values their file stores, exactly.
 // Each activation row is quantised the same way (symmetric int8 per block of 32, scale dx), so a block's
-// product is an integer dot product times scale * dx; q4's `min` term needs only the block's float sum of x.
+// product is an integer dot product times scale * dx; q4's `min` term needs only the block's sum (of the quantised
+// activations: QuantRows).
 // With AVX2 the integer dots are `maddubs` (unsigned byte x signed byte, pairs summed to int16; no overflow:
 // 2 * 127 * 127 < 32768) followed by `madd` with ones to int32. Without AVX2 the same sums are computed
 // scalar (SPECD_SCALAR, or a compiler without the ISA flags).
@@ -20,7 +21,7 @@
 // q4 bytes hold, in vector t's 16-byte chunk, byte i*4 + e: low nibble input 4u + e, high nibble input
 // 16 + 4u + e of block i % S, so unpacking a chunk (low nibbles to half 0, high to half 1) gives vector t.
 // The block scales of a group are spread over the same 8 lanes. q4's min term (sum over blocks of min * the block's
-// sum of x) is added into the same accumulator after the groups, 8 blocks per FMA, and one horizontal sum per
+// quantised sum, see QuantRows) is added into the same accumulator after the groups, 8 blocks per FMA, and one horizontal sum per
 // output ends it; a tile of 4 columns shares that sum's shuffles (horizontal adds of its 4 accumulators).
 //
 // Every output element is computed by the same instructions in the same order from its own weight row and its
@@ -33,6 +34,9 @@
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+
+#include "group_order.h"
+#include "gguf_repack.h"
 
 #include <algorithm>
 #include <cmath>
@@ -76,7 +80,8 @@
 
 namespace {
 
-constexpr int64_t kBlock = 32;
+using namespace specd;  // the group order (group_order.h)
+
 constexpr int64_t kMaxTileRows = SPECD_ZMM ? 8 : 4;  // rows per tile (the 256-bit tiles take at most 4)
 
 inline float half_to_float(at::Half h) {
@@ -87,40 +92,12 @@ inline float half_to_float(at::Half h) {
 #endif
 }
 
-// The group block `block` of a row of `blocks` falls in (see the top): its first block, its size S and its index.
-struct Group {
-  int64_t first, size, index;
-};
-inline Group group_of(int64_t block, int64_t blocks) {
-  const int64_t full = blocks / 4 * 4, rest = blocks - full;
-  if (block < full) return {block / 4 * 4, 4, block / 4};
-  if (rest >= 2 && block < full + 2) return {full, 2, full / 4};
-  return {block, 1, full / 4 + (rest >= 2 ? 1 : 0)};
-}
-inline int64_t group_count(int64_t blocks) {
-  const int64_t rest = blocks % 4;
-  return blocks / 4 + (rest >= 2 ? 1 : 0) + rest % 2;
-}
-
-// Where input `input` (0..31) of block `block` sits in a row stored in group order: vector t, lane i, byte e.
-inline int64_t input_position(int64_t block, int64_t input, int64_t blocks) {
-  const Group g = group_of(block, blocks);
-  const int64_t per_lane = 4 / g.size, u = (input % 16) / 4;
-  const int64_t t = u / per_lane, i = (u % per_lane) * g.size + (block - g.first);
-  return g.first * kBlock + t * 32 + (input / 16) * 16 + i * 4 + input % 4;
-}
-
-// Where the q4 byte holding inputs p and p + 16 (p in 0..15) of `block` sits in a packed row in group order.
-inline int64_t q4_byte_position(int64_t block, int64_t p, int64_t blocks) {
-  const Group g = group_of(block, blocks);
-  const int64_t per_lane = 4 / g.size, u = p / 4;
-  const int64_t t = u / per_lane, i = (u % per_lane) * g.size + (block - g.first);
-  return g.first * 16 + t * 16 + i * 4 + p % 4;
-}
-
 // Activation rows quantised per block, codes in group order. Per group, the block scales as 8 float lanes matching
 // the integer sums' lanes (h, i): [s0 s1 s2 s3 s0 s1 s2 s3] for four blocks, [s0 s1 s0 s1 ...] for two, [s0 ...]
-// for one. The block sums of x in block order, padded with zeros to a multiple of 8 blocks.
+// for one. The block sums in block order, padded with zeros to a multiple of 8 blocks: each the quantised block's
+// sum (scale * the sum of its codes), so q4's min term sees the activations the codes' term sees. (With the exact
+// sum of x instead, a block's rounding errors meet the weights' codes q, 0..15, not their centred values scale * q +
+// min: ~2x the error of a q4 product on random-weight 1B models, and 3x the next-token KL.)
 struct QuantRows {
   int64_t k, groups, sum_stride;
   std::vector<int8_t> codes;   // [rows, k]
@@ -139,9 +116,10 @@ inline __m256 load8(const at::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
 }
 
-// One block of 32 inputs: its codes into `dst` (a row in group order); returns (scale, sum of x). The codes and the
-// scale are the scalar loop's (one float product per input, rounded to nearest even, |code| <= 127); the sum adds
-// in another order. Eight 4-byte stores put the codes in group order.
+// One block of 32 inputs: its codes into `dst` (a row in group order); returns (scale, scale * the codes' sum: the
+// quantised block's sum, see QuantRows). The codes and the scale are the scalar loop's (one float product per input,
+// rounded to nearest even, |code| <= 127), the sum an exact integer: the same bits. Eight 4-byte stores put the
+// codes in group order.
 template <typename T>
 inline std::pair<float, float> quantize_block(const T* src, int8_t* dst, int64_t block, int64_t blocks) {
   const __m256 v0 = load8(src), v1 = load8(src + 8), v2 = load8(src + 16), v3 = load8(src + 24);
@@ -152,10 +130,6 @@ inline std::pair<float, float> quantize_block(const T* src, int8_t* dst, int64_t
   h = _mm_max_ps(h, _mm_movehl_ps(h, h));
   h = _mm_max_ss(h, _mm_movehdup_ps(h));
   const float amax = _mm_cvtss_f32(h);
-  const __m256 total = _mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3));
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(total), _mm256_extractf128_ps(total, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
   const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
   // |x| * 127 / amax is 127 at most, up to a rounding: the packs saturate at 127, the max keeps -127 the floor
   const __m256i q0 = _mm256_cvtps_epi32(_mm256_mul_ps(v0, inv)), q1 = _mm256_cvtps_epi32(_mm256_mul_ps(v1, inv));
@@ -167,24 +141,31 @@ inline std::pair<float, float> quantize_block(const T* src, int8_t* dst, int64_t
   _mm256_store_si256(reinterpret_cast<__m256i*>(words), bytes);
   constexpr int64_t first_input[8] = {0, 8, 16, 24, 4, 12, 20, 28};
   for (int64_t w = 0; w < 8; ++w) std::memcpy(dst + input_position(block, first_input[w], blocks), &words[w], 4);
-  return {amax / 127.f, _mm_cvtss_f32(s)};
+  const __m256i quads = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), bytes), _mm256_set1_epi16(1));
+  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(quads), _mm256_extracti128_si256(quads, 1));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+  const float scale = amax / 127.f;
+  return {scale, scale * static_cast<float>(_mm_cvtsi128_si32(t))};
 }
 #else
 template <typename T>
 inline std::pair<float, float> quantize_block(const T* src, int8_t* dst, int64_t block, int64_t blocks) {
   float values[kBlock];
-  float amax = 0.f, sum = 0.f;
+  float amax = 0.f;
   for (int64_t i = 0; i < kBlock; ++i) {
     values[i] = static_cast<float>(src[i]);
     amax = std::max(amax, std::fabs(values[i]));
-    sum += values[i];
   }
   const float inv = amax > 0.f ? 127.f / amax : 0.f;
+  int32_t codes = 0;
   for (int64_t i = 0; i < kBlock; ++i) {
-    const float v = std::nearbyint(values[i] * inv);
-    dst[input_position(block, i, blocks)] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, v)));
+    const int8_t code = static_cast<int8_t>(std::max(-127.f, std::min(127.f, std::nearbyint(values[i] * inv))));
+    dst[input_position(block, i, blocks)] = code;
+    codes += code;
   }
-  return {amax / 127.f, sum};
+  const float scale = amax / 127.f;
+  return {scale, scale * static_cast<float>(codes)};
 }
 #endif
 
@@ -326,6 +307,11 @@ inline __m256 group_lanes(const float* p) {
 //              formed in the kernel, the same float32 products as F32Blocks holds (both exact), so the same bits at
 //              0.75 bits of scales per weight instead of 2. The mins live in the same array (q4's `mins` is unused).
 //              Rows must be whole super-blocks (inputs a multiple of 256).
+//   Q6Lanes:   GGUF Q6_K's own scales, 20 bytes per super-block of 256 inputs (two groups of four blocks): its 16
+//              int8 sub-block scales sc in F32Lanes' lane order (group 2s's 8 lanes, then group 2s + 1's), then d as
+//              float32; a lane's scale d * sc is formed in the kernel, the float32 product F32Lanes stores (exact:
+//              an 11-bit significand times an 8-bit integer), so the same bits at 0.625 bits of scales per weight
+//              instead of 2. Rows must be whole super-blocks.
 // `lanes<S>` gives a group's 8 lanes (see group_lanes), `eight` 8 blocks' mins from block b (q4's min term),
 // `scalar` the scale of half `half` of `block` and `scalar_min` its min (the scalar build).
 struct F16Blocks {
@@ -354,17 +340,18 @@ struct F32Blocks {
 #endif
 };
 
+inline float float_at(const uint8_t* p) {  // a float32 stored at any byte offset
+  float value;
+  std::memcpy(&value, p, sizeof(value));
+  return value;
+}
+
 struct KBlocks {
   using T = uint8_t;
   static constexpr bool kPerHalf = false;
   static constexpr int64_t kSuperBytes = 24;
   static int64_t stride(int64_t blocks) { return blocks / 8 * kSuperBytes; }
   static const T* super_of(const T* column, int64_t block) { return column + block / 8 * kSuperBytes; }
-  static float float_at(const T* p) {
-    float value;
-    std::memcpy(&value, p, sizeof(value));
-    return value;
-  }
   static float scalar(const T* column, int64_t block, int64_t, int64_t) {
     const T* super = super_of(column, block);
     return float_at(super + 16) * static_cast<float>(super[block % 8]);
@@ -411,6 +398,66 @@ struct F32Lanes {
 #endif
 };
 
+struct Q6Lanes {
+  using T = uint8_t;
+  static constexpr bool kPerHalf = true;
+  static constexpr int64_t kSuperBytes = 20;
+  static int64_t stride(int64_t blocks) { return blocks / 8 * kSuperBytes; }
+  static float scalar(const T* column, int64_t block, int64_t half, int64_t) {
+    const T* super = column + block / 8 * kSuperBytes;
+    const int64_t lane = block % 8 / 4 * 8 + half * 4 + block % 4;
+    return float_at(super + 16) * static_cast<float>(static_cast<int8_t>(super[lane]));
+  }
+#if SPECD_AVX2
+  template <int S>
+  static __m256 lanes(const T* column, int64_t, int64_t first) {  // S == 4: rows are whole super-blocks
+    const T* super = column + first / 8 * kSuperBytes;
+    const __m128i sc = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(super + first % 8 / 4 * 8));
+    return _mm256_mul_ps(_mm256_set1_ps(float_at(super + 16)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc)));
+  }
+#endif
+};
+
+// How a q8 weight column holds its codes, each 32 of them (one vector of the group order) in kVectorBytes bytes:
+//   Int8Codes:   one signed byte per input.
+//   SixBitCodes: GGUF Q6_K's codes q - 32 (-32..31) in six bits, 24 bytes per vector: bytes 0..15 hold its codes
+//                j (low nibble) and 16 + j (high nibble) as q4 bytes do, then bytes 16..23 the top two bits, code
+//                b + 8e in bits 2e, 2e + 1 of byte 16 + b. `load` gives the 32 signed bytes Int8Codes stores, so
+//                the dots, sums and bits are Int8Codes'.
+// `scalar` is the code at position `pos` of a row in group order (the scalar build).
+struct Int8Codes {
+  static constexpr int64_t kVectorBytes = 32;
+  static int64_t column_bytes(int64_t k) { return k; }
+  static int8_t scalar(const int8_t* column, int64_t pos) { return column[pos]; }
+#if SPECD_AVX2
+  static __m256i load(const int8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+#endif
+};
+
+struct SixBitCodes {
+  static constexpr int64_t kVectorBytes = 24;
+  static int64_t column_bytes(int64_t k) { return k / 32 * kVectorBytes; }
+  static int8_t scalar(const int8_t* column, int64_t pos) {
+    const uint8_t* v = reinterpret_cast<const uint8_t*>(column) + pos / 32 * kVectorBytes;
+    const int64_t j = pos % 32;
+    const int low = j < 16 ? v[j] & 0x0F : v[j - 16] >> 4;
+    const int high = (v[16 + j % 8] >> (2 * (j / 8))) & 3;
+    return static_cast<int8_t>((low | (high << 4)) - 32);
+  }
+#if SPECD_AVX2
+  // The nibbles as unpack_q4 gives them, the top bits broadcast to the four 64-bit lanes and shifted by 2e in lane e
+  // (so byte 8e + b of the vector holds code b + 8e's), joined and moved down by 32.
+  static __m256i load(const int8_t* p) {
+    const uint8_t* v = reinterpret_cast<const uint8_t*>(p);
+    int64_t bits;
+    std::memcpy(&bits, v + 16, sizeof(bits));
+    const __m256i high = _mm256_and_si256(
+        _mm256_srlv_epi64(_mm256_set1_epi64x(bits), _mm256_setr_epi64x(0, 2, 4, 6)), _mm256_set1_epi8(3));
+    return _mm256_sub_epi8(_mm256_or_si256(unpack_q4(v), _mm256_slli_epi16(high, 4)), _mm256_set1_epi8(32));
+  }
+#endif
+};
+
 #if SPECD_AVX2
 // The float step every output element takes once per group: the integer dot times both scales.
 inline __m256 accumulate(__m256i sums, __m256 w_scales, const float* x_scales, __m256 acc) {
@@ -439,6 +486,8 @@ struct Q4Tile {
   const QuantRows& x;
   int64_t blocks;
   int64_t scale_stride;
+
+  const uint8_t* column_codes(int64_t col) const { return codes + col * (x.k / 2); }
 
   template <int R, int C>
   struct Step {
@@ -481,7 +530,7 @@ struct Q4Tile {
     __m256 acc[R * C];
     Step<R, C> step{*this, {}, {}, {}, {}, acc};
     for (int c = 0; c < C; ++c) {
-      step.w[c] = codes + (col0 + c) * (x.k / 2);
+      step.w[c] = column_codes(col0 + c);
       step.w_scales[c] = scales + (col0 + c) * scale_stride;
     }
     for (int r = 0; r < R; ++r) {
@@ -546,10 +595,10 @@ struct PairInputs {
   const int8_t* xq[R];
   const float* x_scales[R];
 
-  template <typename Tile>  // Q4Tile or Q8Tile; code_stride: bytes of codes per weight column
-  PairInputs(const Tile& tile, int64_t row0, int64_t col0, int64_t code_stride) {
+  template <typename Tile>  // Q4Tile or Q8Tile
+  PairInputs(const Tile& tile, int64_t row0, int64_t col0) {
     for (int c = 0; c < 2 * P; ++c) {
-      w[c] = tile.codes + (col0 + c) * code_stride;
+      w[c] = tile.column_codes(col0 + c);
       w_scales[c] = tile.scales + (col0 + c) * tile.scale_stride;
     }
     for (int r = 0; r < R; ++r) {
@@ -602,7 +651,7 @@ struct Q4PairTile {
   template <int R, int P>
   void run(int64_t row0, int64_t col0, float* out, int64_t stride) const {  // out: [R, stride], 2P columns written
     const int64_t blocks = tile.blocks;
-    const PairInputs<uint8_t, typename Layout::T, R, P> in(tile, row0, col0, tile.x.k / 2);
+    const PairInputs<uint8_t, typename Layout::T, R, P> in(tile, row0, col0);
     __m512 acc[R * P];
     for (int i = 0; i < R * P; ++i) acc[i] = _mm512_setzero_ps();
     for_each_group(blocks, Step<R, P>{tile, in, acc});
@@ -622,17 +671,21 @@ struct Q4PairTile {
 
 // q8 tile: as Q4Tile, int8 weights (maddubs wants an unsigned operand: |w| times x with w's sign moved onto it;
 // pairs reach 2 * 127 * 127 = 32258, so each block is widened to int32 before any sum across blocks).
-// Layout: F16Blocks or F32Lanes.
-template <typename Layout>
+// Layout: F16Blocks, F32Lanes or Q6Lanes; Codes: Int8Codes or SixBitCodes.
+template <typename Layout, typename Codes>
 struct Q8Tile {
   using LayoutType = Layout;
+  using CodesType = Codes;
   using Scale = typename Layout::T;
   static constexpr bool kQ4 = false;
-  const int8_t* codes;  // [n, k] in group order
+  const int8_t* codes;  // [n, Codes::column_bytes(k)] in group order
   const Scale* scales;  // [n, Layout::stride(blocks)]
   const QuantRows& x;
   int64_t blocks;
   int64_t scale_stride;
+  int64_t first_code_column = 0;  // codes starts at this column (unpacked_tile's few columns)
+
+  const int8_t* column_codes(int64_t col) const { return codes + (col - first_code_column) * Codes::column_bytes(x.k); }
 
   template <int R, int C>
   struct Step {
@@ -646,13 +699,15 @@ struct Q8Tile {
     template <int S>
     void group(int64_t g, int64_t first) const {
       [[maybe_unused]] const __m256i ones = _mm256_set1_epi16(1);
-      const int64_t prefetch = prefetch_distance<C>(tile.x.k);
+      const int64_t prefetch = prefetch_distance<C>(Codes::column_bytes(tile.x.k));
       for (int c = 0; c < C; ++c) {
-        const int8_t* wg = w[c] + first * kBlock;
-        for (int t = 0; t < S; t += 2) _mm_prefetch(reinterpret_cast<const char*>(wg + prefetch + 32 * t), _MM_HINT_T0);
+        const int8_t* wg = w[c] + first * Codes::kVectorBytes;
+        for (int64_t at = 0; at < S * Codes::kVectorBytes; at += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(wg + prefetch + at), _MM_HINT_T0);
+        }
         __m256i signs[S], magnitudes[S];
         for (int t = 0; t < S; ++t) {
-          signs[t] = load32(wg + 32 * t);
+          signs[t] = Codes::load(wg + Codes::kVectorBytes * t);
           magnitudes[t] = _mm256_sign_epi8(signs[t], signs[t]);
         }
         const __m256 ws = Layout::template lanes<S>(w_scales[c], g, first);
@@ -681,7 +736,7 @@ struct Q8Tile {
     __m256 acc[R * C];
     Step<R, C> step{*this, {}, {}, {}, {}, acc};
     for (int c = 0; c < C; ++c) {
-      step.w[c] = codes + (col0 + c) * x.k;
+      step.w[c] = column_codes(col0 + c);
       step.w_scales[c] = scales + (col0 + c) * scale_stride;
     }
     for (int r = 0; r < R; ++r) {
@@ -698,9 +753,9 @@ struct Q8Tile {
 // Q8Tile's 4-column tiles with column pairs in 512-bit vectors. AVX-512 has no sign_epi8: the activation codes are
 // negated where the weight is negative (a masked subtract); where it is 0 the magnitude is 0 and so is the product,
 // so |w| * (sign-moved x) is w * x, the same integer as the 256-bit tile's.
-template <typename Layout>
+template <typename Layout, typename Codes>
 struct Q8PairTile {
-  using Tile = Q8Tile<Layout>;
+  using Tile = Q8Tile<Layout, Codes>;
   const Tile& tile;
 
   template <int R, int P>
@@ -711,20 +766,21 @@ struct Q8PairTile {
 
     template <int S>
     void group(int64_t g, int64_t first) const {
-      const int64_t prefetch = kPrefetchColumns * tile.x.k;
+      const int64_t prefetch = kPrefetchColumns * Codes::column_bytes(tile.x.k);
       const auto& [w, w_scales, xq, x_scales] = in;
       __m512i magnitudes[P][S];
       __mmask64 negative[P][S];
       __m512 ws[P];
       for (int p = 0; p < P; ++p) {
-        const int8_t* w0 = w[2 * p] + first * kBlock;
-        const int8_t* w1 = w[2 * p + 1] + first * kBlock;
-        for (int t = 0; t < S; t += 2) {
-          _mm_prefetch(reinterpret_cast<const char*>(w0 + prefetch + 32 * t), _MM_HINT_T0);
-          _mm_prefetch(reinterpret_cast<const char*>(w1 + prefetch + 32 * t), _MM_HINT_T0);
+        const int8_t* w0 = w[2 * p] + first * Codes::kVectorBytes;
+        const int8_t* w1 = w[2 * p + 1] + first * Codes::kVectorBytes;
+        for (int64_t at = 0; at < S * Codes::kVectorBytes; at += 64) {
+          _mm_prefetch(reinterpret_cast<const char*>(w0 + prefetch + at), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(w1 + prefetch + at), _MM_HINT_T0);
         }
         for (int t = 0; t < S; ++t) {
-          const __m512i codes = _mm512_inserti64x4(_mm512_castsi256_si512(load32(w0 + 32 * t)), load32(w1 + 32 * t), 1);
+          const __m512i codes = _mm512_inserti64x4(_mm512_castsi256_si512(Codes::load(w0 + Codes::kVectorBytes * t)),
+                                                   Codes::load(w1 + Codes::kVectorBytes * t), 1);
           negative[p][t] = _mm512_movepi8_mask(codes);
           magnitudes[p][t] = _mm512_abs_epi8(codes);
         }
@@ -749,7 +805,7 @@ struct Q8PairTile {
 
   template <int R, int P>
   void run(int64_t row0, int64_t col0, float* out, int64_t stride) const {  // out: [R, stride], 2P columns written
-    const PairInputs<int8_t, typename Layout::T, R, P> in(tile, row0, col0, tile.x.k);
+    const PairInputs<int8_t, typename Layout::T, R, P> in(tile, row0, col0);
     __m512 acc[R * P];
     for (int i = 0; i < R * P; ++i) acc[i] = _mm512_setzero_ps();
     for_each_group(tile.blocks, Step<R, P>{tile, in, acc});
@@ -785,7 +841,7 @@ void run_tile(const Tile& tile, int64_t rows, int64_t row0, int64_t col0, float*
     if constexpr (Tile::kQ4) {
       return run_pair_tile(Q4PairTile<typename Tile::LayoutType>{tile}, rows, row0, col0, out);
     } else {
-      return run_pair_tile(Q8PairTile<typename Tile::LayoutType>{tile}, rows, row0, col0, out);
+      return run_pair_tile(Q8PairTile<typename Tile::LayoutType, typename Tile::CodesType>{tile}, rows, row0, col0, out);
     }
   }
 #endif
@@ -812,6 +868,28 @@ void run_column(const Tile& tile, int64_t rows, int64_t row0, int64_t col, float
   }
 }
 
+// Six-bit codes at more rows than one tile holds: a 4-column tile's codes are unpacked once into int8 (4 x k bytes,
+// which stay in cache) and every row tile reads them as Int8Codes, the same integers and so the same bits; unpacked
+// in the tiles instead, each row tile would redo it (measured: prefill through Q6_K weights ~1.5x slower).
+template <typename Tile>
+constexpr bool kSixBit = false;
+template <typename Layout>
+constexpr bool kSixBit<Q8Tile<Layout, SixBitCodes>> = true;
+
+template <typename Layout>
+Q8Tile<Layout, Int8Codes> unpacked_tile(const Q8Tile<Layout, SixBitCodes>& tile, int8_t* buffer, int64_t col0,
+                                        int64_t cols) {
+  const int64_t k = tile.x.k, vectors = k / kBlock;
+  for (int64_t c = 0; c < cols; ++c) {
+    const int8_t* src = tile.column_codes(col0 + c);
+    int8_t* dst = buffer + c * k;
+    for (int64_t v = 0; v < vectors; ++v) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + v * kBlock), SixBitCodes::load(src + v * SixBitCodes::kVectorBytes));
+    }
+  }
+  return Q8Tile<Layout, Int8Codes>{buffer, tile.scales, tile.x, tile.blocks, tile.scale_stride, col0};
+}
+
 // Writes out[m, n] for every row and column by tiles of up to kMaxTileRows rows x 4 columns (the columns past the
 // last whole tile a column at a time, by up to 4 rows), column tiles split over threads.
 template <typename Tile>
@@ -822,36 +900,47 @@ at::Tensor run_tiles(const Tile& tile, int64_t rows, int64_t cols, at::ScalarTyp
   float* out_f = bf16 ? nullptr : out.data_ptr<float>();
   at::BFloat16* out_b = bf16 ? out.data_ptr<at::BFloat16>() : nullptr;
   const int64_t col_tiles = (cols + kCols - 1) / kCols;
+  const bool unpack = kSixBit<Tile> && rows > kMaxTileRows;
   at::parallel_for(0, col_tiles, 2, [&](int64_t begin, int64_t end) {
     float results[kMaxTileRows * kCols];
+    std::vector<int8_t> buffer(unpack ? static_cast<size_t>(kCols * tile.x.k) : 0);
     for (int64_t t = begin; t < end; ++t) {
       const int64_t col0 = t * kCols, num_cols = std::min(kCols, cols - col0);
-      for (int64_t row0 = 0; row0 < rows; row0 += kMaxTileRows) {
-        const int64_t num_rows = std::min(kMaxTileRows, rows - row0);
-        if (num_cols == kCols) {
-          run_tile(tile, num_rows, row0, col0, results);
-        } else {
-          float column[4];
-          for (int64_t c = 0; c < num_cols; ++c) {
-            for (int64_t r0 = 0; r0 < num_rows; r0 += 4) {
-              const int64_t n = std::min<int64_t>(4, num_rows - r0);
-              run_column(tile, n, row0 + r0, col0 + c, column);
-              for (int64_t r = 0; r < n; ++r) results[(r0 + r) * kCols + c] = column[r];
+      const auto column_tile = [&](const auto& use) {  // every row of columns col0 .. col0 + num_cols - 1
+        for (int64_t row0 = 0; row0 < rows; row0 += kMaxTileRows) {
+          const int64_t num_rows = std::min(kMaxTileRows, rows - row0);
+          if (num_cols == kCols) {
+            run_tile(use, num_rows, row0, col0, results);
+          } else {
+            float column[4];
+            for (int64_t c = 0; c < num_cols; ++c) {
+              for (int64_t r0 = 0; r0 < num_rows; r0 += 4) {
+                const int64_t n = std::min<int64_t>(4, num_rows - r0);
+                run_column(use, n, row0 + r0, col0 + c, column);
+                for (int64_t r = 0; r < n; ++r) results[(r0 + r) * kCols + c] = column[r];
+              }
+            }
+          }
+          for (int64_t r = 0; r < num_rows; ++r) {
+            for (int64_t c = 0; c < num_cols; ++c) {
+              const float value = results[r * kCols + c];
+              const int64_t index = (row0 + r) * cols + col0 + c;
+              if (bf16) {
+                out_b[index] = at::BFloat16(value);
+              } else {
+                out_f[index] = value;
+              }
             }
           }
         }
-        for (int64_t r = 0; r < num_rows; ++r) {
-          for (int64_t c = 0; c < num_cols; ++c) {
-            const float value = results[r * kCols + c];
-            const int64_t index = (row0 + r) * cols + col0 + c;
-            if (bf16) {
-              out_b[index] = at::BFloat16(value);
-            } else {
-              out_f[index] = value;
-            }
-          }
+      };
+      if constexpr (kSixBit<Tile>) {
+        if (unpack) {
+          column_tile(unpacked_tile(tile, buffer.data(), col0, num_cols));
+          continue;
         }
       }
+      column_tile(tile);
     }
   });
   return out;
@@ -878,7 +967,7 @@ inline float dot_q4(const uint8_t* w, const typename Layout::T* w_scale, const t
   return acc + min_part;
 }
 
-template <typename Layout>
+template <typename Layout, typename Codes>
 inline float dot_q8(const int8_t* w, const typename Layout::T* w_scale, const QuantRows& x, int64_t row,
                     int64_t blocks) {
   const int8_t* xr = x.row_codes(row);
@@ -888,7 +977,7 @@ inline float dot_q8(const int8_t* w, const typename Layout::T* w_scale, const Qu
     // w and x share the group order, so a block's inputs are at the same positions in both
     for (int64_t i = 0; i < kBlock; ++i) {
       const int64_t pos = input_position(b, i, blocks);
-      dots[i / 16] += static_cast<int32_t>(w[pos]) * xr[pos];
+      dots[i / 16] += static_cast<int32_t>(Codes::scalar(w, pos)) * xr[pos];
     }
     const Group g = group_of(b, blocks);
     const float x_scale = x.row_scales(row)[g.index * 8 + (b - g.first)];
@@ -991,28 +1080,43 @@ at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   return q4_run<F32Blocks>(x, q, codes, scales, mins, float_out);
 }
 
-template <typename Layout>
+template <typename Layout, typename Codes>
 at::Tensor q8_run(const at::Tensor& x, const QuantRows& q, const at::Tensor& codes, const at::Tensor& scales,
                   bool float_out) {
   using T = typename Layout::T;
-  const int64_t n = codes.size(0), k = codes.size(1), blocks = k / kBlock, stride = Layout::stride(blocks);
-  const int8_t* w = codes.data_ptr<int8_t>();
+  const int64_t n = codes.size(0), k = x.size(1), blocks = k / kBlock, stride = Layout::stride(blocks);
+  const int8_t* w = static_cast<const int8_t*>(codes.data_ptr());
   const T* ws = scales.data_ptr<T>();
 #if SPECD_AVX2
-  return run_tiles(Q8Tile<Layout>{w, ws, q, blocks, stride}, x.size(0), n, output_dtype(x, float_out));
+  return run_tiles(Q8Tile<Layout, Codes>{w, ws, q, blocks, stride}, x.size(0), n, output_dtype(x, float_out));
 #else
   return run_columns(x.size(0), n, output_dtype(x, float_out), [&](int64_t row, int64_t col) {
-    return dot_q8<Layout>(w + col * k, ws + col * stride, q, row, blocks);
+    return dot_q8<Layout, Codes>(w + col * Codes::column_bytes(k), ws + col * stride, q, row, blocks);
   });
 #endif
 }
 
-// x: [m, k] float32/bfloat16; codes: [n, k] int8 in group order; scales: [n, k / 32] float16 (F16Blocks) or
-// [n, groups * 8] float32 (F32Lanes: a scale per 16 inputs, in lane order).
+// x: [m, k] float32/bfloat16; codes: [n, k] int8 in group order with scales [n, k / 32] float16 (F16Blocks) or
+// [n, groups * 8] float32 (F32Lanes: a scale per 16 inputs, in lane order); or six-bit codes [n, k / 32 * 24] uint8
+// (SixBitCodes) with scales [n, k / 256 * 20] uint8 (Q6Lanes).
 at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, bool float_out) {
-  const int64_t n = codes.size(0), k = codes.size(1), blocks = k / kBlock;
+  const bool six_bit = codes.scalar_type() == at::kByte;
+  TORCH_CHECK((six_bit || codes.scalar_type() == at::kChar) && codes.is_contiguous() && codes.dim() == 2,
+              "q8_linear: codes must be contiguous 2-D int8, or uint8 (six-bit codes)");
+  TORCH_CHECK(!six_bit || codes.size(1) % SixBitCodes::kVectorBytes == 0,
+              "q8_linear: six-bit codes must be 24 bytes per 32 inputs, got ", codes.size(1), " bytes a row");
+  const int64_t n = codes.size(0), k = six_bit ? codes.size(1) / SixBitCodes::kVectorBytes * kBlock : codes.size(1);
+  const int64_t blocks = k / kBlock;
   check_activations(x, k, "q8_linear");
-  TORCH_CHECK(codes.scalar_type() == at::kChar && codes.is_contiguous(), "q8_linear: codes must be contiguous int8");
+  if (six_bit) {
+    TORCH_CHECK(blocks % 8 == 0, "q8_linear: six-bit codes need inputs in whole super-blocks of 256, got ", k);
+    TORCH_CHECK(scales.scalar_type() == at::kByte && scales.is_contiguous() && scales.dim() == 2 &&
+                    scales.size(0) == n && scales.size(1) == Q6Lanes::stride(blocks),
+                "q8_linear: six-bit codes take Q6_K scales, contiguous uint8 [", n, ", ", Q6Lanes::stride(blocks),
+                "]");
+    const QuantRows q = quantize(x);
+    return q8_run<Q6Lanes, SixBitCodes>(x, q, codes, scales, float_out);
+  }
   const bool lanes = scales.scalar_type() == at::kFloat;
   const int64_t width = lanes ? F32Lanes::stride(blocks) : blocks;
   TORCH_CHECK((lanes || scales.scalar_type() == at::kHalf) && scales.is_contiguous() && scales.dim() == 2 &&
@@ -1020,8 +1124,8 @@ at::Tensor q8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Ten
               "q8_linear: scales must be contiguous float16 [", n, ", ", blocks, "] or float32 lanes [", n, ", ",
               F32Lanes::stride(blocks), "]");
   const QuantRows q = quantize(x);
-  if (lanes) return q8_run<F32Lanes>(x, q, codes, scales, float_out);
-  return q8_run<F16Blocks>(x, q, codes, scales, float_out);
+  if (lanes) return q8_run<F32Lanes, Int8Codes>(x, q, codes, scales, float_out);
+  return q8_run<F16Blocks, Int8Codes>(x, q, codes, scales, float_out);
 }
 
 // How many distinct threads at::parallel_for runs a loop of `items` on here (1 in a build without OpenMP).
@@ -1055,4 +1159,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("uses_vnni", &uses_vnni, "whether its integer dots are VNNI dpbusd (same bits, fewer instructions)");
   m.def("uses_zmm", &uses_zmm, "whether 4-column tiles hold two columns per 512-bit vector (same bits)");
   m.def("q4_linear_capsule", &q4_linear_capsule, "q4_linear's address, for the fused decoder layer");
+  m.def("repack_gguf", &repack_gguf, "a GGUF tensor's raw blocks -> the kernels' weight fields (gguf_repack.cpp)");
 }

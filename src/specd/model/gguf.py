@@ -238,9 +238,8 @@ class GgufWeights(LazyWeights):
         info = self._infos[name]
         if kernel_kind(info.ggml_type) is None or len(info.shape) != 2:
             return None  # nothing to read: the caller converts the floats
-        weight = block_weight(torch.from_numpy(self._raw(info)), info.ggml_type, info.shape)
-        order = self._row_order(name, info.shape[0])
-        return weight if weight is None or order is None else weight.rows(order)
+        return block_weight(torch.from_numpy(self._raw(info)), info.ggml_type, info.shape,
+                            self._row_order(name, info.shape[0]))
 
 
 def gguf_arch_config(gguf_file: GgufFile) -> ModelArchConfig:

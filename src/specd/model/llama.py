@@ -462,13 +462,20 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: ModelArchConfig, max_positions: int | None = None) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # No init on the meta device (a checkpoint fills the table): most ops on meta tensors run torch._refs,
+        # whose first use imports torch._dynamo, over a second of a load. Built for real (tests), it is the same
+        # N(0, 1) draw nn.Embedding makes.
+        table = torch.empty(config.vocab_size, config.hidden_size)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=table)
+        if not table.is_meta:
+            nn.init.normal_(self.embed_tokens.weight)
         self.layers = nn.ModuleList([DecoderLayer(config, i) for i in range(config.num_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = (
             None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
         )
-        self.rotary = Rotary(config, max_positions or config.max_position_embeddings)
+        with torch.device("cpu"):  # its tables computed for real even under the meta device (see the table above)
+            self.rotary = Rotary(config, max_positions or config.max_position_embeddings)
         self.tied_head: Linear | None = None  # the tied LM head over the embedding table, made by pack()
         # fused_ops' LayerStack of every decoder layer (prepare_one_call_layers); None: the layers run op by op
         self.one_call_stack: object | None = None
@@ -726,6 +733,19 @@ class LlamaForCausalLM(nn.Module):
         return conversions.lines()
 
 
+def _materialize(module: nn.Module) -> None:
+    """Every meta parameter and buffer as an uninitialised CPU tensor: `module.to_empty(device="cpu")` without
+    torch._refs' empty_like, whose first use imports sympy (half a second of a load)."""
+    for sub in module.modules():
+        for name, param in list(sub._parameters.items()):
+            if param is not None and param.is_meta:
+                sub._parameters[name] = nn.Parameter(torch.empty(param.shape, dtype=param.dtype),
+                                                     requires_grad=param.requires_grad)
+        for name, buffer in list(sub._buffers.items()):
+            if buffer is not None and buffer.is_meta:
+                sub._buffers[name] = torch.empty(buffer.shape, dtype=buffer.dtype)
+
+
 def build_model(
     config: ModelArchConfig,
     state_dict: Mapping[str, torch.Tensor] | None,
@@ -758,7 +778,7 @@ def build_model(
             model = model.to(dtype)
             for linear, _ in model.block_linears():
                 linear.weight = None
-        model = model.to_empty(device="cpu")
+        _materialize(model)
         model.rotary = Rotary(config, max_positions or config.max_position_embeddings)
         if blockwise:
             for line in model.load_blocks(state_dict):

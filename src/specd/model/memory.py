@@ -44,7 +44,9 @@ def _block_bytes(kind: str, scales: str, numel: int) -> int:
     code_bytes = numel // 2 if kind == "q4" else numel
     if scales == "k":  # Q4_K's own 24 bytes per 8 blocks
         return code_bytes + blocks * 3
-    scale_bytes = {"f16": 2, "lanes": 8}[scales] * blocks * (2 if kind == "q4" else 1)
+    if scales == "q6":  # Q6_K's six-bit codes (24 bytes per block) and its own 20 bytes of scales per 8 blocks
+        return blocks * 24 + blocks // 8 * 20
+    scale_bytes = 2 * blocks * (2 if kind == "q4" else 1)  # float16 per block (and q4's mins)
     return code_bytes + scale_bytes
 
 
@@ -57,7 +59,7 @@ def _quantized_bytes(file_type: str, numel: int, head: bool) -> int:
     if kind == "q4":
         return _block_bytes("q4", "k" if file_type == "Q4_K" else "f16", numel)
     if kind == "q8":
-        return _block_bytes("q8", "lanes" if file_type == "Q6_K" else "f16", numel)
+        return _block_bytes("q8", "q6" if file_type == "Q6_K" else "f16", numel)
     float_file = file_type in ("F32", "F16", "BF16", "F64", "float32", "float16", "bfloat16", "float64")
     return _block_bytes("q4" if float_file and not head else "q8", "f16", numel)
 
