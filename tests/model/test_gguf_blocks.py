@@ -90,6 +90,23 @@ def test_the_native_repack_writes_the_torch_decoders_bytes(native, ggml_type, is
     assert isinstance(block_weight(raw.flatten(), ggml_type, (37, in_features)), kind)
 
 
+@pytest.mark.parametrize("ggml_type", list(KERNEL_LAYOUTS), ids=lambda t: t.name)
+@pytest.mark.parametrize("isa", ["native", "scalar"])
+def test_the_native_dequantization_gives_ggufs_values(native, ggml_type, isa):
+    """dequantize_gguf (the embedding table's load) against gguf's own dequantization, float32 bit for bit, and
+    bfloat16 as those values rounded once."""
+    module = native if isa == "native" else specd.kernels.build("scalar")
+    in_features = 512 if ggml_type in (T.Q4_K, T.Q6_K) else 352
+    raw = _blocks(ggml_type, (21, in_features), seed=5)
+    expected = torch.from_numpy(gguf.quants.dequantize(raw, ggml_type).astype(np.float32))
+    for dtype in (torch.float32, torch.bfloat16):
+        out = torch.empty(21, in_features, dtype=dtype)
+        module.dequantize_gguf(torch.from_numpy(raw.copy()), int(ggml_type), in_features, out)
+        assert torch.equal(out, expected.to(dtype)), dtype
+    with pytest.raises(RuntimeError, match="out must be contiguous float32 or bfloat16"):
+        module.dequantize_gguf(torch.from_numpy(raw.copy()), int(ggml_type), in_features, torch.empty(21, 8))
+
+
 def test_the_native_repack_names_what_is_wrong(native):
     raw = torch.from_numpy(_blocks(T.Q4_K, (4, 256)).copy())
     none = torch.empty(0, dtype=torch.long)
@@ -134,6 +151,8 @@ def test_the_quantized_mode_computes_the_files_values(native, tmp_path, caplog, 
             assert torch.equal(_dequantized(linear), ref.hf_weight.float())
     assert torch.equal(_dequantized(quantized.model.lm_head), reference.model.lm_head.hf_weight.float())
     assert quantized.model.lm_head.float_out
+    # the embedding table: the file's values rounded once to bfloat16 (read_into, the native dequantization)
+    assert torch.equal(quantized.model.embed_tokens.weight, reference.model.embed_tokens.weight.to(torch.bfloat16))
     if file_type == "Q4_K_M":  # layer 1's qkv mixes Q4_K (q, k) and Q6_K (v): two GEMMs, outputs joined
         mixed = quantized.model.layers[1].qkv_proj
         assert [type(p) for p in mixed.parts] == [Q4Weight, Q8Weight]

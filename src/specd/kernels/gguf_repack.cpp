@@ -106,7 +106,93 @@ void k_scale_min(const uint8_t* q, int j, uint8_t* sc, uint8_t* m) {
   }
 }
 
+// One row's values in input order: GGUF's dequantization (gguf-py's, llama.cpp's), each value one float32 product
+// of the file's integers and float16 scales (exact: at most 23 significant bits), plus Q4_0/Q4_1/Q4_K's min
+// added in one rounding, as the torch decoders' dequantize() computes them.
+template <typename Out>
+void dequantize_row(const uint8_t* in, int64_t type, int64_t k, Out* out) {
+  const auto put = [&](int64_t i, float value) { out[i] = static_cast<Out>(value); };
+  switch (type) {
+    case kQ4_0:
+    case kQ4_1:
+      for (int64_t b = 0; b < k / kBlock; ++b) {
+        const uint8_t* block = in + b * (type == kQ4_0 ? 18 : 20);
+        const float d = static_cast<float>(half_at(block));
+        const float m = type == kQ4_0 ? static_cast<float>(at::Half(d * -8.0f)) : static_cast<float>(half_at(block + 2));
+        const uint8_t* qs = block + (type == kQ4_0 ? 2 : 4);
+        for (int p = 0; p < 16; ++p) {
+          put(b * kBlock + p, static_cast<float>(qs[p] & 0x0F) * d + m);
+          put(b * kBlock + p + 16, static_cast<float>(qs[p] >> 4) * d + m);
+        }
+      }
+      return;
+    case kQ8_0:
+      for (int64_t b = 0; b < k / kBlock; ++b) {
+        const uint8_t* block = in + b * 34;
+        const float d = static_cast<float>(half_at(block));
+        for (int i = 0; i < kBlock; ++i) put(b * kBlock + i, static_cast<float>(static_cast<int8_t>(block[2 + i])) * d);
+      }
+      return;
+    case kQ4_K:
+      for (int64_t s = 0; s < k / 256; ++s) {
+        const uint8_t* super = in + s * 144;
+        const float d = static_cast<float>(half_at(super)), dmin = static_cast<float>(half_at(super + 2));
+        const uint8_t* qs = super + 16;
+        for (int j = 0; j < 8; ++j) {  // sub-block j: chunk j / 2's low (even j) or high (odd j) nibbles
+          uint8_t sc, m;
+          k_scale_min(super + 4, j, &sc, &m);
+          const float scale = d * static_cast<float>(sc), min = -(dmin * static_cast<float>(m));
+          for (int l = 0; l < 32; ++l) {
+            const uint8_t byte = qs[j / 2 * 32 + l];
+            put(s * 256 + j * 32 + l, static_cast<float>(j % 2 ? byte >> 4 : byte & 0x0F) * scale + min);
+          }
+        }
+      }
+      return;
+    default:  // Q6_K
+      for (int64_t s = 0; s < k / 256; ++s) {
+        const uint8_t* super = in + s * 210;
+        const float d = static_cast<float>(half_at(super + 208));
+        const int8_t* sc = reinterpret_cast<const int8_t*>(super + 192);
+        for (int n = 0; n < 2; ++n) {
+          for (int kk = 0; kk < 4; ++kk) {
+            for (int l = 0; l < 32; ++l) {
+              const uint8_t byte = super[64 * n + 32 * (kk % 2) + l];
+              const int low = kk < 2 ? byte & 0x0F : byte >> 4;
+              const int high = (super[128 + 32 * n + l] >> (2 * kk)) & 3;
+              const int64_t i = n * 128 + kk * 32 + l;  // sub-block i / 16
+              put(s * 256 + i, static_cast<float>((low | (high << 4)) - 32) * (d * static_cast<float>(sc[i / 16])));
+            }
+          }
+        }
+      }
+  }
+}
+
 }  // namespace
+
+void dequantize_gguf(const at::Tensor& raw, int64_t ggml_type, int64_t in_features, const at::Tensor& out) {
+  const Layout layout = layout_of(ggml_type);
+  TORCH_CHECK(in_features > 0 && in_features % layout.block_inputs == 0, "dequantize_gguf: in_features ",
+              in_features, " is not a multiple of the type's ", layout.block_inputs, " inputs per block");
+  const int64_t row_bytes = in_features / layout.block_inputs * layout.block_bytes;
+  TORCH_CHECK(raw.scalar_type() == at::kByte && raw.dim() == 2 && raw.is_contiguous() && raw.size(1) == row_bytes,
+              "dequantize_gguf: raw must be contiguous uint8 [rows, ", row_bytes, "]");
+  TORCH_CHECK((out.scalar_type() == at::kFloat || out.scalar_type() == at::kBFloat16) && out.is_contiguous() &&
+                  out.dim() == 2 && out.size(0) == raw.size(0) && out.size(1) == in_features,
+              "dequantize_gguf: out must be contiguous float32 or bfloat16 [", raw.size(0), ", ", in_features, "]");
+  const uint8_t* src = raw.data_ptr<uint8_t>();
+  const bool bf16 = out.scalar_type() == at::kBFloat16;
+  at::parallel_for(0, raw.size(0), 16, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      if (bf16) {
+        dequantize_row(src + r * row_bytes, ggml_type, in_features, out.data_ptr<at::BFloat16>() + r * in_features);
+      } else {
+        dequantize_row(src + r * row_bytes, ggml_type, in_features, out.data_ptr<float>() + r * in_features);
+      }
+    }
+  });
+}
 
 std::vector<at::Tensor> repack_gguf(const at::Tensor& raw, int64_t ggml_type, int64_t in_features,
                                     const at::Tensor& row_order) {

@@ -11,3 +11,7 @@
 // (codes, scales).
 std::vector<at::Tensor> repack_gguf(const at::Tensor& raw, int64_t ggml_type, int64_t in_features,
                                     const at::Tensor& row_order);
+
+// The same types' values into out ([rows, in_features] float32 or bfloat16, each value's float32 dequantization
+// rounded once): GGUF's dequantization, on torch's threads.
+void dequantize_gguf(const at::Tensor& raw, int64_t ggml_type, int64_t in_features, const at::Tensor& out);

@@ -1160,4 +1160,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("uses_zmm", &uses_zmm, "whether 4-column tiles hold two columns per 512-bit vector (same bits)");
   m.def("q4_linear_capsule", &q4_linear_capsule, "q4_linear's address, for the fused decoder layer");
   m.def("repack_gguf", &repack_gguf, "a GGUF tensor's raw blocks -> the kernels' weight fields (gguf_repack.cpp)");
+  m.def("dequantize_gguf", &dequantize_gguf, "a GGUF tensor's raw blocks -> their values, into out");
 }

@@ -20,15 +20,17 @@ import gguf
 import numpy as np
 import torch
 
+import specd.kernels as kernels
 from specd.errors import ModelLoadError
 from specd.model.config import ModelArchConfig
-from specd.model.gguf_blocks import KernelWeight, block_weight, kernel_kind
+from specd.model.gguf_blocks import KernelWeight, block_weight, decode_rows, kernel_kind
 from specd.model.weights import LazyWeights
 
 # ---------------------------------------------------------------------------------------------- GGUF file
 _GGUF_SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _GGUF_STRING, _GGUF_ARRAY = 8, 9
 _GGUF_DEFAULT_ALIGNMENT = 32
+_READ_INTO_ROWS = 4096  # rows dequantized at once by read_into
 
 
 class GgufTensorInfo(NamedTuple):
@@ -233,6 +235,21 @@ class GgufWeights(LazyWeights):
         tensor = _dequantize(self._raw(info), info)
         order = self._row_order(name, tensor.shape[0])
         return tensor if order is None else tensor[order]
+
+    def read_into(self, name: str, out: torch.Tensor) -> None:
+        info = self._infos[name]
+        native = kernels.native()
+        rows = _READ_INTO_ROWS
+        if len(info.shape) == 2 and kernel_kind(info.ggml_type) is not None and name not in self._heads:
+            raw = torch.from_numpy(self._raw(info)).view(info.shape[0], -1)
+            for first in range(0, info.shape[0], rows):  # a few thousand rows at a time: float32 temporaries stay small
+                target = out[first:first + rows]
+                if native is not None and out.dtype in (torch.float32, torch.bfloat16):
+                    native.dequantize_gguf(raw[first:first + rows], int(info.ggml_type), info.shape[1], target)
+                else:
+                    target.copy_(decode_rows(raw[first:first + rows], info.ggml_type, info.shape[1]).dequantize())
+            return
+        out.copy_(self.read(name))
 
     def blocks(self, name: str) -> KernelWeight | None:
         info = self._infos[name]

@@ -29,13 +29,12 @@ from specd.model.block_load import Conversions, kernel_weight, merge_rows
 from specd.model.config import ModelArchConfig, RopeScaling
 from specd.model.gguf_blocks import KernelWeight
 from specd.model.kv_cache import KVCache
-from specd.model.weights import block_weight_of, shape_of
+from specd.model.weights import LazyWeights, block_weight_of, shape_of
 
 INT4_GROUP = 32
 PROMPT_ENV_VAR = "SPECD_INT4_PROMPT"
 _NO_ROWS = torch.empty(0, dtype=torch.long)
 logger = logging.getLogger("specd")
-_EMBEDDING_ROWS = 4096  # rows of the embedding table dequantized at once while loading
 
 
 class RowSplit(NamedTuple):
@@ -716,12 +715,9 @@ class LlamaForCausalLM(nn.Module):
         # copy of a large vocabulary's table is the largest transient of a load); the tied head reuses the blocks.
         embed_name = "model.embed_tokens.weight"
         embed_blocks = block_weight_of(state_dict, embed_name) if fits(shape_of(state_dict, embed_name)) else None
-        if embed_blocks is not None:
-            table = self.embed_tokens.weight
+        if embed_blocks is not None and isinstance(state_dict, LazyWeights):  # (only a LazyWeights has blocks)
             with torch.no_grad():
-                for first in range(0, table.shape[0], _EMBEDDING_ROWS):
-                    chunk = embed_blocks.rows(slice(first, first + _EMBEDDING_ROWS))
-                    table[first:first + _EMBEDDING_ROWS].copy_(chunk.dequantize())
+                state_dict.read_into(embed_name, self.embed_tokens.weight)
         self.load_hf_state_dict(state_dict, projections=False, embedding=embed_blocks is None)
         if self.lm_head is None:
             tied = embed_blocks if embed_blocks is not None else kernel_weight(state_dict, embed_name, conversions,

@@ -39,6 +39,11 @@ class LazyWeights(Mapping[str, torch.Tensor], ABC):
         """The tensor as the native kernels' weight with the file's values, or None (no such format in the file)."""
         return None
 
+    def read_into(self, name: str, out: torch.Tensor) -> None:
+        """The tensor's values into `out` (its shape, any float dtype), without a float32 copy of the whole tensor
+        where the format allows (a large vocabulary's embedding table is a load's largest transient)."""
+        out.copy_(self.read(name))
+
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.read(name).to(self.dtype)
 
