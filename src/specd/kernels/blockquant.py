@@ -2,7 +2,8 @@
 
 q4: w = scale * q + min with q in 0..15; q8: w = scale * q with q in -127..127. Scales come in five layouts
 (quant_gemm.cpp): float16 per block (GGUF Q4_0, Q4_1, Q8_0 store exactly these), float32 per block, GGUF Q4_K's own
-compact form (per 256 inputs: 8 six-bit scales and mins as bytes, then d and dmin; `scales` uint8, `mins` empty),
+compact form (the file's 16 bytes per 256 inputs: d and dmin as float16, 8 six-bit scales and mins packed in 12;
+`scales` uint8, `mins` empty),
 and, for q8, float32 per 16 inputs in the kernel's lane order, or GGUF Q6_K's own form (per 256 inputs: 16 int8
 sub-block scales in lane order, then d as float32; `scales` uint8). q8 codes are one int8 per input, or, with
 Q6_K's scales, Q6_K's six bits (`codes` uint8, 24 bytes per 32 inputs: `pack_six_bit`).
@@ -25,27 +26,30 @@ import torch
 
 BLOCK = 32
 GROUP_BLOCKS = 4  # blocks per group of the kernel's input order
-K_SUPER_BLOCKS, K_SUPER_BYTES = 8, 24  # the compact K-quant scales: 8 blocks of 32 share 24 bytes
+K_SUPER_BLOCKS, K_SUPER_BYTES = 8, 16  # Q4_K's own scales: 8 blocks of 32 share the file's 16 bytes
 Q6_SUPER_BYTES = 20  # Q6_K's scales: 16 int8 sub-block scales and d (float32) per 256 inputs
 SIX_BIT_VECTOR_BYTES = 24  # six-bit codes: 32 inputs in 24 bytes
 
 
-def pack_k_scales(d: torch.Tensor, sc: torch.Tensor, dmin: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
-    """d, dmin: [out, supers] float32; sc, m: [out, supers, 8] 0..63 -> [out, supers * 24] uint8 (KBlocks)."""
-    out_features, supers = d.shape
-    parts = [sc.to(torch.uint8), m.to(torch.uint8), d.contiguous().view(torch.uint8).view(out_features, supers, 4),
-             dmin.contiguous().view(torch.uint8).view(out_features, supers, 4)]
-    return torch.cat(parts, dim=-1).reshape(out_features, supers * K_SUPER_BYTES)
+def k_scales_and_mins(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q4_K/Q5_K's 12 bytes -> 8 six-bit scales and 8 six-bit mins. packed: [..., 12] uint8 -> 2 x [..., 8]."""
+    low, high = packed[..., 0:4], packed[..., 4:8]  # sub-blocks 0..3: six bits each of byte j (sc) and j + 4 (m)
+    tail = packed[..., 8:12]  # sub-blocks 4..7: four bits here, the top two from bits 6-7 of bytes j and j + 4
+    scales = torch.cat([low & 63, (tail & 0x0F) | ((low >> 6) << 4)], dim=-1)
+    mins = torch.cat([high & 63, (tail >> 4) | ((high >> 6) << 4)], dim=-1)
+    return scales, mins
 
 
 def unpack_k_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # -> scales, mins [out, blocks] f32
-    """The per-block scale d * sc and min -(dmin * m) of KBlocks scales, as float32 (the kernel's own products)."""
+    """The per-block scale d * sc and min -(dmin * m) of KBlocks scales (the file's 16 bytes per 256 inputs: d, dmin
+    float16, 12 bytes of six-bit sc, m), as float32 (the kernel's own products)."""
     out_features = packed.shape[0]
     supers = packed.view(out_features, -1, K_SUPER_BYTES)
-    d = supers[..., 16:20].contiguous().view(torch.float32)  # [out, supers, 1]
-    dmin = supers[..., 20:24].contiguous().view(torch.float32)
-    scales = (d * supers[..., :8].float()).reshape(out_features, -1)
-    mins = (-dmin * supers[..., 8:16].float()).reshape(out_features, -1)
+    d = supers[..., 0:2].contiguous().view(torch.float16).float()  # [out, supers, 1]
+    dmin = supers[..., 2:4].contiguous().view(torch.float16).float()
+    sc, m = k_scales_and_mins(supers[..., 4:16])
+    scales = (d * sc.float()).reshape(out_features, -1)
+    mins = (-(dmin * m.float())).reshape(out_features, -1)
     return scales, mins
 
 

@@ -225,7 +225,7 @@ std::vector<at::Tensor> repack_gguf(const at::Tensor& raw, int64_t ggml_type, in
     case kQ4_0:
     case kQ4_1: fields = {at::empty({rows, k / 2}, u8), at::empty({rows, blocks}, f16), at::empty({rows, blocks}, f16)}; break;
     case kQ8_0: fields = {at::empty({rows, k}, at::TensorOptions().dtype(at::kChar)), at::empty({rows, blocks}, f16)}; break;
-    case kQ4_K: fields = {at::empty({rows, k / 2}, u8), at::empty({rows, supers * 24}, u8), at::empty({rows, 0}, u8)}; break;
+    case kQ4_K: fields = {at::empty({rows, k / 2}, u8), at::empty({rows, supers * 16}, u8), at::empty({rows, 0}, u8)}; break;
     default: fields = {at::empty({rows, k / kBlock * 24}, u8), at::empty({rows, supers * 20}, u8)};  // Q6_K
   }
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
@@ -260,13 +260,10 @@ std::vector<at::Tensor> repack_gguf(const at::Tensor& raw, int64_t ggml_type, in
           break;
         }
         case kQ4_K: {
-          uint8_t* scales = fields[1].data_ptr<uint8_t>() + r * supers * 24;
+          uint8_t* scales = fields[1].data_ptr<uint8_t>() + r * supers * 16;
           for (int64_t s = 0; s < supers; ++s) {
             const uint8_t* super = in + s * layout.block_bytes;
-            uint8_t* packed = scales + s * 24;
-            for (int j = 0; j < 8; ++j) k_scale_min(super + 4, j, packed + j, packed + 8 + j);
-            put_float(packed + 16, static_cast<float>(half_at(super)));
-            put_float(packed + 20, static_cast<float>(half_at(super + 2)));
+            std::memcpy(scales + s * 16, super, 16);  // d, dmin and the packed scales, as the file has them
             // chunk c of 32 bytes: sub-block 2c in the low nibbles, 2c + 1 in the high ones (byte l: input l)
             const uint8_t* qs = super + 16;
             for (int c = 0; c < 4; ++c) {

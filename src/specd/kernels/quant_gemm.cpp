@@ -302,11 +302,11 @@ inline __m256 group_lanes(const float* p) {
 //   F32Lanes:  eight float32 per group in the integer sums' lane order: lane (h, i) holds the scale of inputs
 //              h*16 .. h*16 + 15 of block i % S, so each 16 inputs of a block have a scale of their own (GGUF
 //              Q6_K's sub-blocks of 16). The lanes already split a block's dot by halves, so this costs one load.
-//   KBlocks:   GGUF Q4_K's own compact scales, 24 bytes per 8 blocks (a super-block of 256 inputs): 8 six-bit scales
-//              sc and 8 six-bit mins m as bytes, then d and dmin as float32; scale = d * sc and min = -(dmin * m) are
-//              formed in the kernel, the same float32 products as F32Blocks holds (both exact), so the same bits at
-//              0.75 bits of scales per weight instead of 2. The mins live in the same array (q4's `mins` is unused).
-//              Rows must be whole super-blocks (inputs a multiple of 256).
+//   KBlocks:   GGUF Q4_K's own scales, the file's 16 bytes per 8 blocks (a super-block of 256 inputs): d and dmin as
+//              float16, then 12 bytes packing 8 six-bit scales sc and 8 six-bit mins m; scale = d * sc and min =
+//              -(dmin * m) are formed in the kernel, the same float32 products as F32Blocks holds (both exact), so the
+//              same bits at 0.5 bits of scales per weight instead of 2. The mins live in the same array (q4's `mins`
+//              is unused). Rows must be whole super-blocks (inputs a multiple of 256).
 //   Q6Lanes:   GGUF Q6_K's own scales, 20 bytes per super-block of 256 inputs (two groups of four blocks): its 16
 //              int8 sub-block scales sc in F32Lanes' lane order (group 2s's 8 lanes, then group 2s + 1's), then d as
 //              float32; a lane's scale d * sc is formed in the kernel, the float32 product F32Lanes stores (exact:
@@ -349,26 +349,46 @@ inline float float_at(const uint8_t* p) {  // a float32 stored at any byte offse
 struct KBlocks {
   using T = uint8_t;
   static constexpr bool kPerHalf = false;
-  static constexpr int64_t kSuperBytes = 24;
+  static constexpr int64_t kSuperBytes = 16;
   static int64_t stride(int64_t blocks) { return blocks / 8 * kSuperBytes; }
   static const T* super_of(const T* column, int64_t block) { return column + block / 8 * kSuperBytes; }
+  static float d_of(const T* super, int64_t at) {  // d (at 0) or dmin (at 2), float16 -> float32, exact
+    uint16_t bits;
+    std::memcpy(&bits, super + at, sizeof(bits));
+    return half_to_float(at::Half(bits, at::Half::from_bits()));
+  }
+  // Sub-block j's six-bit scale and min: j < 4 the low six bits of bytes j and j + 4 of the 12; j >= 4 a nibble of
+  // byte j + 4 with the top two bits of bytes j - 4 (scale) and j (min).
+  static uint8_t sc_of(const T* q, int64_t j) {
+    return j < 4 ? q[j] & 63 : static_cast<uint8_t>((q[j + 4] & 0x0F) | ((q[j - 4] >> 6) << 4));
+  }
+  static uint8_t m_of(const T* q, int64_t j) {
+    return j < 4 ? q[j + 4] & 63 : static_cast<uint8_t>((q[j + 4] >> 4) | ((q[j] >> 6) << 4));
+  }
+  static uint32_t word(const T* p) {
+    uint32_t value;
+    std::memcpy(&value, p, sizeof(value));
+    return value;
+  }
   static float scalar(const T* column, int64_t block, int64_t, int64_t) {
     const T* super = super_of(column, block);
-    return float_at(super + 16) * static_cast<float>(super[block % 8]);
+    return d_of(super, 0) * static_cast<float>(sc_of(super + 4, block % 8));
   }
   static float scalar_min(const T* column, int64_t block, int64_t) {
     const T* super = super_of(column, block);
-    return -float_at(super + 20) * static_cast<float>(super[8 + block % 8]);
+    return -(d_of(super, 2) * static_cast<float>(m_of(super + 4, block % 8)));
   }
 #if SPECD_AVX2
+  // sc_of / m_of four sub-blocks at a time, as 32-bit words of four bytes
+  static uint32_t four_scales(const T* q, int64_t j0) {  // j0: 0 or 4
+    return j0 == 0 ? word(q) & 0x3F3F3F3Fu : (word(q + 8) & 0x0F0F0F0Fu) | (((word(q) >> 6) & 0x03030303u) << 4);
+  }
   template <int S>
   static __m256 lanes(const T* column, int64_t, int64_t first) {
     if constexpr (S == 4) {  // whole super-blocks: every group is four blocks of one super-block
       const T* super = super_of(column, first);
-      int32_t four;
-      std::memcpy(&four, super + first % 8, sizeof(four));
-      const __m128 sc = _mm_cvtepi32_ps(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(four)));
-      return _mm256_mul_ps(_mm256_set_m128(sc, sc), _mm256_set1_ps(float_at(super + 16)));
+      const __m128 sc = _mm_cvtepi32_ps(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(static_cast<int>(four_scales(super + 4, first % 8)))));
+      return _mm256_mul_ps(_mm256_set_m128(sc, sc), _mm256_set1_ps(d_of(super, 0)));
     } else {  // not reached (rows are whole super-blocks); the scalar values, for completeness
       float v[4];
       for (int i = 0; i < 4; ++i) v[i] = scalar(column, first + i % S, 0, 0);
@@ -378,8 +398,12 @@ struct KBlocks {
   }
   static __m256 eight(const T* column, int64_t b, int64_t) {  // b: a multiple of 8, the first block of a super-block
     const T* super = super_of(column, b);
-    const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(super + 8))));
-    return _mm256_mul_ps(m, _mm256_set1_ps(-float_at(super + 20)));
+    const T* q = super + 4;
+    const uint32_t low = word(q + 4) & 0x3F3F3F3Fu;
+    const uint32_t high = ((word(q + 8) >> 4) & 0x0F0F0F0Fu) | (((word(q + 4) >> 6) & 0x03030303u) << 4);
+    const __m128i bytes = _mm_set_epi32(0, 0, static_cast<int>(high), static_cast<int>(low));
+    const __m256 m = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(bytes));
+    return _mm256_mul_ps(m, _mm256_set1_ps(-d_of(super, 2)));
   }
 #endif
 };
@@ -1051,7 +1075,7 @@ at::Tensor q4_run(const at::Tensor& x, const QuantRows& q, const at::Tensor& cod
 }
 
 // x: [m, k] float32/bfloat16; codes: [n, k / 2] uint8 in group order; scales, mins: [n, k / 32] float16 (F16Blocks)
-// or float32 (F32Blocks); or scales [n, k / 256 * 24] uint8 (KBlocks) with mins [n, 0].
+// or float32 (F32Blocks); or scales [n, k / 256 * 16] uint8 (KBlocks) with mins [n, 0].
 // Returns [m, n] in x's dtype, or float32 when float_out.
 at::Tensor q4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales, const at::Tensor& mins,
                      bool float_out) {

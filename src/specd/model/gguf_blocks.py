@@ -5,15 +5,15 @@
 | Q4_0      | 32 inputs: d f16, 16 bytes of nibbles (18)      | d * (q - 8)                | q4, float16 scale/min  |
 | Q4_1      | 32 inputs: d, m f16, 16 bytes of nibbles (20)   | d * q + m                  | q4, float16 scale/min  |
 | Q8_0      | 32 inputs: d f16, 32 int8 (34)                  | d * q                      | q8, float16 scale      |
-| Q4_K      | 256 inputs: d, dmin f16, 12 bytes of 6-bit      | d * sc_j * q - dmin * m_j  | q4, its own sc, m as   |
-|           | (sc, m) for 8 sub-blocks of 32, 128 bytes (144) |                            | bytes, d, dmin float32 |
+| Q4_K      | 256 inputs: d, dmin f16, 12 bytes of 6-bit      | d * sc_j * q - dmin * m_j  | q4, the file's 16      |
+|           | (sc, m) for 8 sub-blocks of 32, 128 bytes (144) |                            | bytes of d, dmin, sc, m|
 | Q6_K      | 256 inputs: 128 bytes low nibbles, 64 bytes of  | d * sc_j * (q - 32)        | q8, six-bit codes, its |
 |           | 2-bit highs, 16 int8 sc, d f16 (210)            |                            | own sc as bytes, d f32 |
 
 Nibble order: Q4_0/Q4_1 byte i of a block holds inputs i (low) and i + 16 (high), the q4 kernel's own order.
 Q4_K's 64-input chunks hold sub-block 2j in the low nibbles and 2j + 1 in the high ones (byte l: input l of
 each), repacked here. Q4_K's d * sc and dmin * m are exact in float32 (an 11-bit significand times a 6-bit
-integer) but not in float16: the kernel forms them from the file's own sc, m, d and dmin (24 bytes per 256 inputs),
+integer) but not in float16: the kernel forms them from the file's own 16 bytes of d, dmin, sc and m per 256 inputs,
 and Q6_K's d * sc likewise from its sc and d (20 bytes per 256 inputs); -8 * d for Q4_0 is exact in float16.
 Q6_K's codes keep their six bits (24 bytes per 32 inputs, in the kernel's group order): 6.625 bits a weight as
 the kernel reads it, against the file's 6.5625.
@@ -30,7 +30,7 @@ import gguf
 import torch
 
 import specd.kernels as kernels
-from specd.kernels.blockquant import BLOCK, Q4Weight, Q8Weight, pack_k_scales
+from specd.kernels.blockquant import BLOCK, Q4Weight, Q8Weight
 
 KernelWeight = Q4Weight | Q8Weight
 T = gguf.GGMLQuantizationType
@@ -62,24 +62,13 @@ def _q8_0(raw: torch.Tensor, out: int, blocks: int) -> KernelWeight:  # raw [out
     return Q8Weight.from_block_order(codes, _f16(b[..., 0:2]))
 
 
-def _k_scales(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K/Q5_K's 12 bytes -> 8 six-bit scales and 8 six-bit mins. packed: [..., 12] uint8 -> 2 x [..., 8]."""
-    low, high = packed[..., 0:4], packed[..., 4:8]  # sub-blocks 0..3: six bits each of byte j (sc) and j + 4 (m)
-    tail = packed[..., 8:12]  # sub-blocks 4..7: four bits here, the top two from bits 6-7 of bytes j and j + 4
-    scales = torch.cat([low & 63, (tail & 0x0F) | ((low >> 6) << 4)], dim=-1)
-    mins = torch.cat([high & 63, (tail >> 4) | ((high >> 6) << 4)], dim=-1)
-    return scales, mins
-
-
 def _q4_k(raw: torch.Tensor, out: int, blocks: int) -> KernelWeight:  # raw [out, supers * 144]
     supers = blocks // 8
     b = raw.view(out, supers, 144)
-    d, dmin = _f16(b[..., 0:2]).float(), _f16(b[..., 2:4]).float()  # [out, supers]
-    sc, m = _k_scales(b[..., 4:16])  # [out, supers, 8]
     qs = b[..., 16:].reshape(out, supers, 4, 32)  # 4 chunks of 64 inputs
     q = torch.stack([qs & 0x0F, qs >> 4], dim=3).reshape(out, blocks, BLOCK)  # sub-block 2j, then 2j + 1
-    return Q4Weight.from_block_order(_pack_nibbles(q), pack_k_scales(d, sc, dmin, m),
-                                     torch.empty(out, 0, dtype=torch.uint8))
+    scales = b[..., :16].reshape(out, supers * 16)  # d, dmin and the packed sc, m: the kernel reads them as they are
+    return Q4Weight.from_block_order(_pack_nibbles(q), scales, torch.empty(out, 0, dtype=torch.uint8))
 
 
 def _q6_k(raw: torch.Tensor, out: int, blocks: int) -> KernelWeight:  # raw [out, supers * 210]

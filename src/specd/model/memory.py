@@ -42,8 +42,8 @@ class MemoryEstimate(NamedTuple):
 def _block_bytes(kind: str, scales: str, numel: int) -> int:
     blocks = numel // BLOCK
     code_bytes = numel // 2 if kind == "q4" else numel
-    if scales == "k":  # Q4_K's own 24 bytes per 8 blocks
-        return code_bytes + blocks * 3
+    if scales == "k":  # Q4_K's own 16 bytes per 8 blocks
+        return code_bytes + blocks * 2
     if scales == "q6":  # Q6_K's six-bit codes (24 bytes per block) and its own 20 bytes of scales per 8 blocks
         return blocks * 24 + blocks // 8 * 20
     scale_bytes = 2 * blocks * (2 if kind == "q4" else 1)  # float16 per block (and q4's mins)
