@@ -106,6 +106,17 @@ void k_scale_min(const uint8_t* q, int j, uint8_t* sc, uint8_t* m) {
   }
 }
 
+// Q6_K's code of input i (0..255) of a super-block, -32..31: in half n = i / 128, input 32k + l takes the low
+// nibble of ql[64n + l] (k 0) or ql[64n + 32 + l] (k 1), their high nibbles (k 2, 3), and bits 2k, 2k + 1 of
+// qh[32n + l] on top (ql: the super-block's first 128 bytes, qh the next 64).
+inline int8_t q6_code(const uint8_t* super, int64_t i) {
+  const int64_t n = i / 128, kk = i % 128 / 32, l = i % 32;
+  const uint8_t byte = super[64 * n + 32 * (kk % 2) + l];
+  const int low = kk < 2 ? byte & 0x0F : byte >> 4;
+  const int high = (super[128 + 32 * n + l] >> (2 * kk)) & 3;
+  return static_cast<int8_t>((low | (high << 4)) - 32);
+}
+
 // One row's values in input order: GGUF's dequantization (gguf-py's, llama.cpp's), each value one float32 product
 // of the file's integers and float16 scales (exact: at most 23 significant bits), plus Q4_0/Q4_1/Q4_K's min
 // added in one rounding, as the torch decoders' dequantize() computes them.
@@ -154,16 +165,8 @@ void dequantize_row(const uint8_t* in, int64_t type, int64_t k, Out* out) {
         const uint8_t* super = in + s * 210;
         const float d = static_cast<float>(half_at(super + 208));
         const int8_t* sc = reinterpret_cast<const int8_t*>(super + 192);
-        for (int n = 0; n < 2; ++n) {
-          for (int kk = 0; kk < 4; ++kk) {
-            for (int l = 0; l < 32; ++l) {
-              const uint8_t byte = super[64 * n + 32 * (kk % 2) + l];
-              const int low = kk < 2 ? byte & 0x0F : byte >> 4;
-              const int high = (super[128 + 32 * n + l] >> (2 * kk)) & 3;
-              const int64_t i = n * 128 + kk * 32 + l;  // sub-block i / 16
-              put(s * 256 + i, static_cast<float>((low | (high << 4)) - 32) * (d * static_cast<float>(sc[i / 16])));
-            }
-          }
+        for (int64_t i = 0; i < 256; ++i) {  // sub-block i / 16
+          put(s * 256 + i, static_cast<float>(q6_code(super, i)) * (d * static_cast<float>(sc[i / 16])));
         }
       }
   }
@@ -284,21 +287,8 @@ std::vector<at::Tensor> repack_gguf(const at::Tensor& raw, int64_t ggml_type, in
           uint8_t* scales = fields[1].data_ptr<uint8_t>() + r * supers * 20;
           for (int64_t s = 0; s < supers; ++s) {
             const uint8_t* super = in + s * layout.block_bytes;
-            const uint8_t* ql = super;
-            const uint8_t* qh = super + 128;
             const int8_t* sc = reinterpret_cast<const int8_t*>(super + 192);
-            // half n of 128 inputs: input 32k + l takes the low nibble of ql[64n + l] (k 0) or ql[64n + 32 + l]
-            // (k 1), their high nibbles (k 2, 3), and bits 2k, 2k + 1 of qh[32n + l] on top
-            for (int n = 0; n < 2; ++n) {
-              for (int kk = 0; kk < 4; ++kk) {
-                for (int l = 0; l < 32; ++l) {
-                  const uint8_t byte = ql[64 * n + 32 * (kk % 2) + l];
-                  const int low = kk < 2 ? byte & 0x0F : byte >> 4;
-                  const int high = (qh[32 * n + l] >> (2 * kk)) & 3;
-                  codes[s * 256 + n * 128 + kk * 32 + l] = static_cast<int8_t>((low | (high << 4)) - 32);
-                }
-              }
-            }
+            for (int64_t i = 0; i < 256; ++i) codes[s * 256 + i] = q6_code(super, i);
             uint8_t* packed = scales + s * 20;
             // lane gi*8 + h*4 + i: half h of block 4gi + i, Q6_K's sub-block 2 * (4gi + i) + h
             for (int gi = 0; gi < 2; ++gi) {
