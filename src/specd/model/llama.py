@@ -29,7 +29,7 @@ from specd.model.block_load import Conversions, kernel_weight, merge_rows
 from specd.model.config import ModelArchConfig, RopeScaling
 from specd.model.gguf_blocks import KernelWeight
 from specd.model.kv_cache import KVCache
-from specd.model.weights import LazyWeights, block_weight_of, shape_of
+from specd.model.weights import LazyWeights
 
 INT4_GROUP = 32
 PROMPT_ENV_VAR = "SPECD_INT4_PROMPT"
@@ -711,17 +711,17 @@ class LlamaForCausalLM(nn.Module):
                 continue
             linear.set_blocks([b for b in blocks if b is not None])
             linear.float_out = head
-        # The embedding table from the file's blocks where it has them, a few thousand rows at a time (a float32
-        # copy of a large vocabulary's table is the largest transient of a load); the tied head reuses the blocks.
+        # The embedding table straight from the checkpoint (from the file's blocks, a few thousand rows at a time,
+        # where it has them: a float32 copy of a large vocabulary's table is the largest transient of a load); a
+        # tied head takes the table's blocks (repacked only then).
         embed_name = "model.embed_tokens.weight"
-        embed_blocks = block_weight_of(state_dict, embed_name) if fits(shape_of(state_dict, embed_name)) else None
-        if embed_blocks is not None and isinstance(state_dict, LazyWeights):  # (only a LazyWeights has blocks)
+        lazy = isinstance(state_dict, LazyWeights)
+        if lazy:
             with torch.no_grad():
                 state_dict.read_into(embed_name, self.embed_tokens.weight)
-        self.load_hf_state_dict(state_dict, projections=False, embedding=embed_blocks is None)
+        self.load_hf_state_dict(state_dict, projections=False, embedding=not lazy)
         if self.lm_head is None:
-            tied = embed_blocks if embed_blocks is not None else kernel_weight(state_dict, embed_name, conversions,
-                                                                               head=True)
+            tied = kernel_weight(state_dict, embed_name, conversions, head=True)
             self.tied_head = Linear.sharing(self.embed_tokens.weight)
             if tied is not None:  # the head reads the blocks; the lookup table stays dense
                 self.tied_head.set_blocks([tied])
